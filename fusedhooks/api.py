@@ -1,0 +1,300 @@
+"""The public API: `grad_hook`, the compiled hook object, registration and handles."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from . import codegen, runtime
+from .ir import STAT_NAMES, Graph
+from .plan import Plan, make_plan
+from .stats import HookStats
+from .trace import CompileError, TracedBody, lower, trace
+
+
+def _identity(grad):
+    return None
+
+
+def _parse_stats(option, what: str) -> tuple[str, ...]:
+    if option is None:
+        return ()
+    if not isinstance(option, (str, list, tuple, set, frozenset)):
+        raise TypeError(f"{what}= takes a statistic name, a sequence of names or 'all'; got {option!r}")
+    names = (option,) if isinstance(option, str) else tuple(option)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{what}= takes statistic names (strings); got {option!r}")
+    if "all" in names:
+        names = STAT_NAMES
+    unknown = [n for n in names if n not in STAT_NAMES]
+    if unknown:
+        raise ValueError(f"unknown statistic {unknown[0]!r} in {what}=; known: {', '.join(STAT_NAMES)} or 'all'")
+    order = {name: i for i, name in enumerate(STAT_NAMES)}
+    return tuple(sorted(set(names), key=order.get))  # the stats row layout follows STAT_NAMES
+
+
+@dataclass
+class _Entry:
+    """A parameter this hook fires on: a weak reference and its stats row."""
+
+    ref: weakref.ref
+    name: str
+    row: int
+    checked_shape: tuple | None = None
+
+
+@dataclass
+class _Compiled:
+    plan: Plan
+    kernel: object  # the @triton.jit kernel, or None for the reference backend
+
+
+class GradHook:
+    """A gradient hook compiled into one in-place kernel per gradient.
+
+    Called with a parameter (as torch calls post-accumulate-grad hooks), it processes `param.grad`
+    in place and returns None. Without a body function it is a statistics-only hook that also works
+    as a decorator: called with a function it returns a new hook with the same options.
+    """
+
+    def __init__(self, fn=None, *, stats=(), input_stats=(), backend: str | None = None):
+        self.fn = fn
+        self.stat_names = _parse_stats(stats, "stats")
+        self.input_stat_names = _parse_stats(input_stats, "input_stats")
+        if backend not in (None, "auto", "triton", "reference"):
+            raise ValueError(f"backend must be 'auto', 'triton' or 'reference', not {backend!r}")
+        self.backend = backend
+        if fn is not None and not callable(fn):
+            raise TypeError(f"grad_hook takes a function, not {type(fn).__name__}")
+        self._body: TracedBody = trace(fn if fn is not None else _identity)
+        lower(self._body, torch.float32)  # every "cannot compile" error surfaces now, at decoration
+        self.stats = HookStats(self.stat_names, self.input_stat_names)
+        self._graphs: dict[torch.dtype, Graph] = {}
+        self._compiled: dict[tuple, _Compiled] = {}
+        self._entries: dict[int, _Entry] = {}
+        self._workspaces: dict[torch.device, runtime.Workspace] = {}
+        if fn is not None:
+            functools.update_wrapper(self, fn, updated=())
+        else:
+            self.__name__ = "stats_only_hook"
+
+    # --- calling ----------------------------------------------------------------------------------
+
+    def __call__(self, arg):
+        if isinstance(arg, torch.Tensor):
+            self._fire(arg)
+            return None
+        if self.fn is None and callable(arg):
+            return GradHook(arg, stats=self.stat_names, input_stats=self.input_stat_names, backend=self.backend)
+        raise TypeError(f"a compiled hook is called with a parameter tensor (as torch does), not "
+                        f"{type(arg).__name__}")
+
+    def _fire(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        entry = self._entries.get(id(param))
+        if entry is None or entry.ref() is not param:
+            entry = self._add(self._auto_name(), param)  # registered through torch directly
+        compiled = self._compiled.get((grad.dtype, grad.device))
+        if compiled is None:
+            compiled = self._compile(grad.dtype, grad.device)
+        if entry.checked_shape != grad.shape:
+            self._check_shape(entry.name, grad)
+            entry.checked_shape = grad.shape
+        stats_row = self.stats.row(entry.row) if compiled.plan.slots else None
+        runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
+                     self._workspace(grad.device))
+
+    # --- compiling --------------------------------------------------------------------------------
+
+    def _graph(self, dtype: torch.dtype) -> Graph:
+        graph = self._graphs.get(dtype)
+        if graph is None:
+            graph, _ = lower(self._body, dtype)
+            self._graphs[dtype] = graph
+        return graph
+
+    def _compile(self, dtype: torch.dtype, device: torch.device) -> _Compiled:
+        for i, s in enumerate(self._body.scalars):
+            if s.device != device and not (device.type == "cpu" and s.device.type == "cpu"):
+                raise ValueError(f"{self.__name__}: closed-over tensor {i} is on {s.device} but the gradient is on "
+                                 f"{device}; move it to {device} (the kernel reads it there, with no copy)")
+        backend = runtime.choose_backend(device, self.backend)
+        plan = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, backend=backend)
+        kernel = codegen.load(codegen.generate(plan, device.type)) if backend == "triton" else None
+        compiled = _Compiled(plan, kernel)
+        self._compiled[(dtype, device)] = compiled
+        return compiled
+
+    def _check_shape(self, name: str, t: torch.Tensor) -> None:
+        _, result_shape = lower(self._body, t.dtype, tuple(t.shape))
+        if torch.broadcast_shapes(result_shape, t.shape) != t.shape:
+            raise CompileError(f"{self.__name__}: the body's result has shape {result_shape}, which does not "
+                               f"broadcast to the gradient of {name} (shape {tuple(t.shape)})")
+
+    def _workspace(self, device: torch.device) -> runtime.Workspace:
+        ws = self._workspaces.get(device)
+        if ws is None:
+            ws = self._workspaces[device] = runtime.Workspace(device)
+        return ws
+
+    # --- registration -----------------------------------------------------------------------------
+
+    def register(self, target, name: str | None = None) -> RegistrationHandle:
+        """Fire on the gradient of `target` after each accumulation.
+
+        target: a leaf Tensor that requires grad (keyed by `name`, or "param<i>"), an nn.Module (every
+        parameter with requires_grad; `name` prefixes their names), or an iterable of Tensors or
+        (name, Tensor) pairs. Returns a handle with `remove()`, also a context manager.
+        Everything is checked before anything is registered.
+        """
+        pairs = list(self._targets(target, name))
+        seen, names = set(), set()
+        active = {e.name for e in self._entries.values() if e.ref() is not None}
+        for pname, t in pairs:
+            _check_param(pname, t)
+            entry = self._entries.get(id(t))
+            if entry is not None and entry.ref() is t:
+                raise ValueError(f"{entry.name!r} is already registered with this hook (the same tensor)")
+            if id(t) in seen:
+                raise ValueError(f"{pname}: this tensor is already registered in this same register() call")
+            if pname in names or pname in active:
+                raise ValueError(f"a parameter named {pname!r} is already registered with this hook; "
+                                 "pass a different name=")
+            seen.add(id(t))
+            names.add(pname)
+            self._compile(t.dtype, t.device) if (t.dtype, t.device) not in self._compiled else None
+            self._check_shape(pname, t)
+            if self.stats.device is not None and self.stats.device != t.device and self.stats.slot_names:
+                raise ValueError(f"{pname} is on {t.device} but this hook records statistics on "
+                                 f"{self.stats.device}; register parameters of another device with another hook")
+        handle = RegistrationHandle(self)
+        for pname, t in pairs:
+            self._add(pname, t)
+            handle._add(t, t.register_post_accumulate_grad_hook(self))
+        return handle
+
+    def _targets(self, target, name):
+        if isinstance(target, torch.nn.Module):
+            prefix = f"{name}." if name else ""
+            yield from ((prefix + n, p) for n, p in target.named_parameters() if p.requires_grad)
+        elif isinstance(target, torch.Tensor):
+            yield (name or self._auto_name(), target)
+        elif isinstance(target, Iterable) and not isinstance(target, (str, bytes)):
+            taken = []
+            for item in target:
+                if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                    yield item
+                elif isinstance(item, torch.Tensor):
+                    taken.append(self._auto_name(taken))
+                    yield (taken[-1], item)
+                else:
+                    raise TypeError(f"register() takes Tensors or (name, Tensor) pairs; got {type(item).__name__}")
+        else:
+            raise TypeError(f"register() takes a Tensor, an nn.Module or an iterable of them, "
+                            f"not {type(target).__name__}")
+
+    def _auto_name(self, taken=()) -> str:
+        """"param<i>": i counts registrations, skipping names already in use."""
+        i = len(self.stats.names) + len(taken)
+        while f"param{i}" in self.stats.names or f"param{i}" in taken:
+            i += 1
+        return f"param{i}"
+
+    def _add(self, name: str, t: torch.Tensor) -> _Entry:
+        _check_param(name, t)
+        if name in self.stats.names and not any(e.name == name for e in self._entries.values()):
+            row = self.stats.names.index(name)  # a parameter registered again after remove()
+        else:
+            row = self.stats.add_row(name, t.device)
+        entry = _Entry(weakref.ref(t), name, row)
+        self._entries[id(t)] = entry
+        return entry
+
+    def _remove(self, t: torch.Tensor) -> None:
+        entry = self._entries.get(id(t))
+        if entry is not None and entry.ref() is t:
+            del self._entries[id(t)]
+
+    # --- introspection ----------------------------------------------------------------------------
+
+    def plan(self, numel: int | None = None, dtype: torch.dtype = torch.float32, device=None) -> Plan:
+        """The kernel plan for a gradient of `numel` elements and `dtype` (device: default CUDA if present)."""
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        backend = runtime.choose_backend(device, self.backend)
+        p = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, numel, backend)
+        if numel and backend == "triton":
+            p.block, p.grid = runtime.launch_config(numel, device.type)
+        return p
+
+    def source(self, dtype: torch.dtype = torch.float32, device_type: str = "cuda") -> str:
+        """The generated Triton source for gradients of `dtype`."""
+        return codegen.generate(make_plan(self._graph(dtype), self.stat_names, self.input_stat_names), device_type)
+
+    def __repr__(self) -> str:
+        return (f"<fusedhooks.GradHook {self.__name__} stats={list(self.stat_names)} "
+                f"input_stats={list(self.input_stat_names)} on {len(self._entries)} tensors>")
+
+
+def _check_param(name: str, t) -> None:
+    """Refuse what torch would refuse, and what a hook cannot process, before any backward runs."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name}: {t.layout} tensors are not supported; gradient hooks process dense gradients")
+    if not t.dtype.is_floating_point or t.dtype not in (torch.float16, torch.bfloat16, torch.float32,
+                                                         torch.float64):
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported; gradients must be float16, bfloat16, "
+                        "float32 or float64")
+    if not t.requires_grad:
+        raise ValueError(f"{name}: cannot register a hook on a tensor that doesn't require grad")
+    if not t.is_leaf:
+        raise ValueError(f"{name}: is not a leaf tensor; gradient hooks fire on leaf tensors (parameters) "
+                         "after their .grad is accumulated")
+
+
+class RegistrationHandle:
+    """What `register` returns: `remove()` stops the hook on those tensors; usable as a context manager."""
+
+    def __init__(self, hook: GradHook):
+        self.hook = hook
+        self._items: list[tuple[weakref.ref, object]] = []
+
+    def _add(self, t: torch.Tensor, torch_handle) -> None:
+        self._items.append((weakref.ref(t), torch_handle))
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for ref, _ in self._items if (t := ref()) is not None]
+
+    def remove(self) -> None:
+        for ref, torch_handle in self._items:
+            torch_handle.remove()
+            t = ref()
+            if t is not None:
+                self.hook._remove(t)
+        self._items.clear()
+
+    def __enter__(self) -> RegistrationHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def grad_hook(fn=None, *, stats=(), input_stats=(), backend: str | None = None) -> GradHook:
+    """Compile `fn(grad[, param])` into a fused in-place gradient hook.
+
+    Use bare (`@fh.grad_hook`), with options (`@fh.grad_hook(stats=("norm",))`), or without a function
+    for a statistics-only hook. stats / input_stats: statistic names or "all", measured after / before
+    the body. backend: "auto" (default), "triton" or "reference" (see README, environment variables).
+    """
+    return GradHook(fn, stats=stats, input_stats=input_stats, backend=backend)

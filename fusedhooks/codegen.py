@@ -1,0 +1,395 @@
+"""A plan to Triton source text, and loading that source (cached on disk by content hash).
+
+The generated kernel processes the gradient's storage span in blocks of BLOCK elements: it loads
+the gradient (and the parameter), evaluates the body in fp32 (fp64 for float64), rounding every
+fp16/bf16 intermediate as eager torch does, stores the result, and reduces statistics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .ir import STAT_NAMES, Node
+from .plan import Plan, partial_flags
+
+KERNEL_NAME = "fused_hook"
+
+_COMPUTE = {
+    torch.float16: "tl.float32", torch.bfloat16: "tl.float32", torch.float32: "tl.float32",
+    torch.float64: "tl.float64", torch.bool: "tl.int1", torch.int32: "tl.int32", torch.int64: "tl.int64",
+}
+_ROUND = {torch.float16: "round_to_fp16", torch.bfloat16: "round_to_bf16"}
+_FLOAT_CT = ("tl.float32", "tl.float64")
+_NAN_ALL = "propagate_nan=tl.PropagateNan.ALL"
+
+
+def compute_type(dtype: torch.dtype) -> str:
+    """The Triton type a value of torch `dtype` is carried in inside the kernel."""
+    return _COMPUTE[dtype]
+
+
+def literal(value, ctype: str) -> str:
+    """A Python number as a Triton expression of type `ctype`."""
+    if ctype == "tl.int1":
+        return f"tl.full([], {int(bool(value))}, tl.int1)"
+    if ctype in ("tl.int32", "tl.int64"):
+        return f"tl.full([], {int(value)}, {ctype})"
+    v = float(value)
+    text = repr(v) if math.isfinite(v) else f'float("{v}")'
+    return text if ctype == "tl.float32" and math.isfinite(v) else f"tl.full([], {text}, {ctype})"
+
+
+def _convert(expr: str, src: str, dst: str) -> str:
+    """Convert an expression between compute types (bool conversions as torch does them)."""
+    if src == dst:
+        return expr
+    if dst == "tl.int1":
+        return f"({expr} != 0)"
+    return f"{expr}.to({dst})"
+
+
+class _Emitter:
+    def __init__(self, plan: Plan, device_type: str):
+        self.plan = plan
+        self.graph = plan.graph
+        self.device_type = device_type
+        self.lines: list[str] = []
+        self.names: dict[int, str] = {}
+
+    def value(self, node: Node, ctype: str) -> str:
+        """`node` as an expression of compute type `ctype`."""
+        if node.kind == "const":
+            return literal(node.value, ctype)
+        return _convert(self.names[node.index], compute_type(node.dtype), ctype)
+
+    def truth(self, node: Node) -> str:
+        if node.kind == "const":
+            return literal(bool(node.value), "tl.int1")
+        return _convert(self.names[node.index], compute_type(node.dtype), "tl.int1")
+
+    def operand(self, n: Node, key: str, ct: str) -> str:
+        """Argument `key` of `n` in compute type `ct`; a scalar operand of a half-precision op is first
+        rounded to that precision where eager torch on this device does so (see `_rounds_scalar`)."""
+        arg = n.args[key]
+        half = n.op_dtype if n.op_dtype in _ROUND else None
+        if half is None or arg.full or not _rounds_scalar(n.op, key, arg.kind, self.device_type):
+            return self.value(arg, ct)
+        if arg.kind == "const":
+            return literal(torch.tensor(float(arg.value)).to(half).item(), ct)
+        return f"{_ROUND[half]}({self.value(arg, ct)})"
+
+    def rounded(self, expr: str, dtype: torch.dtype) -> str:
+        """`expr` rounded to `dtype` if that is a half-precision type (each eager op rounds its result)."""
+        return f"{_ROUND[dtype]}({expr})" if dtype in _ROUND else expr
+
+    def op(self, n: Node) -> str:
+        a, op = n.args, n.op
+        ct = compute_type(n.op_dtype)
+        v = lambda key: self.operand(n, key, ct)
+        is_float = ct in _FLOAT_CT
+        if op == "div" and a["input"].kind == "const":
+            # `c / x` is Tensor.__rtruediv__: torch computes x.reciprocal() * c, rounding in between
+            one = "tl.math.div_rn(1.0, {})" if ct == "tl.float32" else "1.0 / {}"
+            recip = self.rounded(one.format(self.value(a["other"], ct)), n.op_dtype)
+            return f"{recip} * {v('input')}"
+        if op in ("add", "sub"):
+            sign = "+" if op == "add" else "-"
+            if a["alpha"] == 1:
+                return f"{v('input')} {sign} {v('other')}"
+            alpha = a["alpha"] if op == "add" else -a["alpha"]
+            return f"tl.fma({v('other')}, {literal(alpha, ct)}, {v('input')})"
+        if op == "mul":
+            return f"{v('input')} * {v('other')}"
+        if op == "div":
+            other = a["other"]
+            if ct == "tl.float32":
+                if self.device_type == "cuda" and other.kind == "const":
+                    # torch's CUDA kernel multiplies by the fp32 reciprocal of a Python-number divisor
+                    recip = (torch.tensor(1.0) / torch.tensor(float(other.value))).item()
+                    return f"{v('input')} * {literal(recip, ct)}"
+                return f"tl.math.div_rn({v('input')}, {v('other')})"
+            return f"{v('input')} / {v('other')}"
+        if op == "neg":
+            return f"-{v('input')}"
+        if op == "abs":
+            return f"tl.abs({v('input')})"
+        if op == "sign":
+            x = v("input")
+            return f"tl.where({x} > 0, {literal(1, ct)}, tl.where({x} < 0, {literal(-1, ct)}, {literal(0, ct)}))"
+        if op == "sqrt":
+            return f"tl.math.sqrt_rn({v('input')})" if ct == "tl.float32" else f"tl.sqrt({v('input')})"
+        if op == "rsqrt":
+            if ct == "tl.float32":
+                return f"tl.math.div_rn(1.0, tl.math.sqrt_rn({v('input')}))"
+            return f"1.0 / tl.sqrt({v('input')})"
+        if op in ("exp", "log"):
+            return f"tl.{op}({v('input')})"
+        if op == "reciprocal":
+            return f"tl.math.div_rn(1.0, {v('input')})" if ct == "tl.float32" else f"1.0 / {v('input')}"
+        if op == "square":
+            return f"{v('input')} * {v('input')}"
+        if op == "pow":
+            return self.pow(v("input"), a["exponent"], ct, n.op_dtype)
+        if op in ("clamp", "clamp_min", "clamp_max"):
+            x = v("input")
+            nan = f", {_NAN_ALL}" if is_float else ""
+            if a.get("min") is not None:
+                x = f"tl.maximum({x}, {v('min')}{nan})"
+            if a.get("max") is not None:
+                x = f"tl.minimum({x}, {v('max')}{nan})"
+            return x
+        if op in ("minimum", "maximum"):
+            nan = f", {_NAN_ALL}" if is_float else ""
+            return f"tl.{op}({v('input')}, {v('other')}{nan})"
+        if op == "where":
+            return f"tl.where({self.truth(a['condition'])}, {v('input')}, {v('other')})"
+        if op in ("eq", "ne", "lt", "le", "gt", "ge"):
+            sym = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}[op]
+            return f"{v('input')} {sym} {v('other')}"
+        if op.startswith("logical_"):
+            if op == "logical_not":
+                return f"{self.truth(a['input'])} == 0"
+            sym = {"logical_and": "&", "logical_or": "|", "logical_xor": "^"}[op]
+            return f"{self.truth(a['input'])} {sym} {self.truth(a['other'])}"
+        if op.startswith("bitwise_"):
+            if op == "bitwise_not":
+                return f"{v('input')} == 0" if ct == "tl.int1" else f"~{v('input')}"
+            sym = {"bitwise_and": "&", "bitwise_or": "|", "bitwise_xor": "^"}[op]
+            return f"{v('input')} {sym} {v('other')}"
+        if op in ("isnan", "isinf", "isfinite"):
+            if not is_float:
+                return literal(op == "isfinite", "tl.int1") + f" | ({v('input')} != {v('input')})"
+            x = v("input")
+            return {"isnan": f"{x} != {x}", "isinf": f'tl.abs({x}) == float("inf")',
+                    "isfinite": f'tl.abs({x}) < float("inf")'}[op]
+        if op == "nan_to_num":
+            out = compute_type(n.dtype)
+            info = torch.finfo(n.dtype)
+            posinf = info.max if a["posinf"] is None else a["posinf"]
+            neginf = info.min if a["neginf"] is None else a["neginf"]
+            x = v("input")
+            return (f"tl.where({x} != {x}, {literal(a['nan'], out)}, tl.where({x} == float(\"inf\"), "
+                    f"{literal(posinf, out)}, tl.where({x} == float(\"-inf\"), {literal(neginf, out)}, {x})))")
+        if op in ("zeros_like", "ones_like", "full_like", "fill", "zero"):
+            value = {"zeros_like": 0, "ones_like": 1, "zero": 0}.get(op, a.get("fill_value", a.get("value")))
+            return f"tl.full([BLOCK], {_fill_value(value, ct)}, {ct})"
+        if op == "copy":
+            return self.value(a["src"], ct)
+        if op == "to":
+            return self.value(a["input"], ct)
+        raise NotImplementedError(f"codegen has no rule for {op}")  # trace.py admits only ops with rules
+
+    def pow(self, x: str, e, ct: str, dtype: torch.dtype) -> str:
+        """x ** e (a compile-time exponent) as torch's pow_tensor_scalar kernel computes it.
+
+        On CPU, torch rounds the exponent to fp16/bf16 for those dtypes; float16 goes through C pow
+        for every exponent (so (-0.0) ** 0.5 is +0.0); bfloat16 computes x**3 and x**-2 in bf16 steps.
+        On CUDA every dtype follows the float32 rules (from torch's source; not yet measured).
+        """
+        e = float(e)
+        div = (lambda p, q: f"tl.math.div_rn({p}, {q})") if ct == "tl.float32" else (lambda p, q: f"{p} / {q}")
+        sqrt = "tl.math.sqrt_rn" if ct == "tl.float32" else "tl.sqrt"
+        cpu_half = dtype if self.device_type == "cpu" and dtype in _ROUND else None
+        if cpu_half is torch.float16 or (cpu_half is torch.bfloat16 and e not in (0.5, -0.5, -1.0)):
+            e = torch.tensor(e).to(cpu_half).item()
+        square = self.rounded(f"{x} * {x}", dtype) if cpu_half is torch.bfloat16 else f"({x} * {x})"
+        root = f"{sqrt}({x})"
+        if cpu_half is torch.float16:  # C pow: (-0.0) ** 0.5 == +0.0 and (-inf) ** 0.5 == +inf
+            root = f'tl.where({x} == float("-inf"), float("inf"), {sqrt}({x}) + 0.0)'
+        special = {0.0: f"tl.full([BLOCK], 1.0, {ct})", 1.0: x, 2.0: f"{x} * {x}", 3.0: f"{square} * {x}",
+                   0.5: root, -0.5: div("1.0", root), -1.0: div("1.0", x), -2.0: div("1.0", square)}
+        if e in special:
+            return special[e]
+        is_int = e.is_integer()
+        odd = is_int and int(e) % 2 == 1
+        return f"pow_scalar({x}, {e!r}, {is_int}, {odd})"
+
+    def emit_body(self) -> None:
+        """Emit a line for every live node the result depends on."""
+        for n in self.graph.live_nodes():
+            if n.kind == "const":
+                continue
+            name = n.name
+            if n.kind == "grad":
+                self.names[n.index] = "grad"
+                continue
+            if n.kind == "param":
+                self.names[n.index] = "param"
+                continue
+            if n.kind == "scalar":
+                expr = f"tl.load(scalar{n.value}_ptr)"
+                if n.dtype in (torch.float16, torch.bfloat16):
+                    expr += ".to(tl.float32)"
+            else:
+                expr = self.op(n)
+                result_ct = compute_type(n.dtype)
+                op_ct = compute_type(n.op_dtype)
+                if op_ct != result_ct and n.op not in ("eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf",
+                                                        "isfinite") and not n.op.startswith(("logical_", "bitwise_")):
+                    expr = _convert(f"({expr})", op_ct, result_ct)
+                if n.dtype in _ROUND:
+                    expr = f"{_ROUND[n.dtype]}({expr})"
+            self.lines.append(f"{name} = {expr}")
+            self.names[n.index] = name
+
+
+
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+
+
+def _rounds_scalar(op: str, key: str, kind: str, device_type: str) -> bool:
+    """Does eager torch round scalar operand `key` ("const": a Python number, "scalar": a 0-dim tensor)
+    of a half-precision `op` to the op's dtype before computing?
+
+    CPU (measured, torch 2.13): add/sub and comparisons round it; mul/div use the fp32 value when the
+    scalar is the second operand (TensorIterator's scalar fast path), and round a first-operand tensor.
+    CUDA (from torch's source, gpu_kernel_with_scalars): Python numbers stay fp32; a 0-dim CUDA tensor
+    is an ordinary operand, cast to the common dtype.
+    """
+    if op not in ("add", "sub", "mul", "div") + _COMPARISONS:
+        return False
+    if device_type == "cuda":
+        return kind == "scalar"
+    if op in ("mul", "div"):
+        return kind == "scalar" and key == "input"
+    return True
+
+
+def _fill_value(value, ct: str) -> str:
+    if ct == "tl.int1":
+        return str(int(bool(value)))
+    if ct in ("tl.int32", "tl.int64"):
+        return str(int(value))
+    v = float(value)
+    return repr(v) if math.isfinite(v) else f'float("{v}")'
+
+
+def generate(plan: Plan, device_type: str) -> str:
+    """Triton source of the fused kernel for `plan` (device_type: "cuda" or "cpu", the interpreter)."""
+    g = plan.graph
+    em = _Emitter(plan, device_type)
+    ct = compute_type(g.grad_dtype)
+    args = ["    grad_ptr,  # *{0}: the gradient's storage span, updated in place".format(g.grad_dtype)]
+    if g.uses_param:
+        args.append(f"    param_ptr,  # *{g.grad_dtype}: the parameter, same layout as grad")
+    for i, dt in enumerate(g.scalar_dtypes):
+        args.append(f"    scalar{i}_ptr,  # *{dt}: closed-over tensor {i}, read at every run")
+    sets = plan.stat_sets
+    if sets:
+        args += [
+            f"    stats_ptr,  # *fp64 [{len(plan.slots)}]: this parameter's statistics row",
+            f"    partials_ptr,  # *fp64 [num_programs, {len(sets)}, 8]: per-program partial statistics",
+            "    counter_ptr,  # *int32 [1]: programs finished; the last one merges and resets it to 0",
+        ]
+    args += ["    numel,  # elements in the span", "    BLOCK: tl.constexpr,  # elements per program",
+             "    RBLOCK: tl.constexpr,  # partial rows merged at a time"]
+    body = [
+        "pid = tl.program_id(0).to(tl.int64)",
+        "offs = pid * BLOCK + tl.arange(0, BLOCK)",
+        "mask = offs < numel",
+        f"grad = tl.load(grad_ptr + offs, mask=mask, other=0).to({ct})",
+    ]
+    if g.uses_param:
+        body.append(f"param = tl.load(param_ptr + offs, mask=mask, other=0).to({ct})")
+    em.emit_body()
+    body += em.lines
+    out_value = "grad"
+    if g.writes:
+        r = g.result
+        expr = em.value(r, ct) if r.kind != "const" else literal(r.value, ct)
+        if not r.full:
+            expr = f"({expr}) + tl.zeros([BLOCK], {ct})"
+        if g.grad_dtype in _ROUND and r.dtype != g.grad_dtype:
+            expr = f"{_ROUND[g.grad_dtype]}({expr})"
+        body.append(f"out = {expr}")
+        store = "to_bf16(out)" if g.grad_dtype == torch.bfloat16 else f"out.to({_storage_type(g.grad_dtype)})"
+        body.append(f"tl.store(grad_ptr + offs, {store}, mask=mask)")
+        out_value = "out"
+    if sets:
+        body.append("n_valid = tl.minimum(numel - pid * BLOCK, BLOCK)")
+        for k, (kind, names) in enumerate(sets):
+            flags = ", ".join(f"{f}={v}" for f, v in partial_flags(names).items())
+            x = out_value if kind == "output" else "grad"
+            body.append(f"store_partials({x}, mask, n_valid, partials_ptr + (pid * {len(sets)} + {k}) * 8, {flags})")
+        body += [
+            "tl.debug_barrier()",
+            "done = tl.atomic_add(counter_ptr, 1)  # acq_rel: the partials above are visible to the last program",
+            "if done == tl.num_programs(0) - 1:",
+            "    tl.debug_barrier()",
+        ]
+        slot = 0
+        for k, (kind, names) in enumerate(sets):
+            flags = ", ".join(f"{f}={v}" for f, v in partial_flags(names).items())
+            body.append(f"    st{k} = finalize_stats(partials_ptr, {k}, {len(sets)}, numel, tl.num_programs(0), "
+                        f"BLOCK, RBLOCK, {flags})")
+            for name in names:
+                body.append(f"    tl.store(stats_ptr + {slot}, st{k}[{_STAT_INDEX[name]}])  # {kind} {name}")
+                slot += 1
+        body.append("    tl.store(counter_ptr, 0)")
+    header = [
+        f"# Generated by fusedhooks for: {plan.graph.grad_dtype}, device {device_type}. Do not edit.",
+        "import triton",
+        "import triton.language as tl",
+        "",
+        "from fusedhooks.kernels.elementwise import pow_scalar, round_to_bf16, round_to_fp16, to_bf16",
+        "from fusedhooks.kernels.stats import finalize_stats, store_partials",
+        "",
+        "# body:",
+        *("#   " + line for line in str(plan.graph).splitlines()),
+        "",
+        "",
+        "@triton.jit",
+        f"def {KERNEL_NAME}(",
+    ]
+    return "\n".join(header + args + ["):"] + ["    " + line for line in body]) + "\n"
+
+
+_STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}  # finalize_stats returns them in this order
+
+
+def _storage_type(dtype: torch.dtype) -> str:
+    return {torch.float16: "tl.float16", torch.float32: "tl.float32", torch.float64: "tl.float64"}[dtype]
+
+
+# --- the on-disk cache -----------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """FUSEDHOOKS_CACHE_DIR, else $XDG_CACHE_HOME/fusedhooks, else ~/.cache/fusedhooks."""
+    env = os.environ.get("FUSEDHOOKS_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fusedhooks"
+
+
+_loaded: dict[str, object] = {}
+
+
+def load(source: str):
+    """The @triton.jit kernel defined by `source`, written once to the cache directory by content hash."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:24]
+    if digest in _loaded:
+        return _loaded[digest]
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"fh_{digest}.py"
+    if not path.exists() or path.read_text() != source:
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".py.tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    module_name = f"fusedhooks_generated_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    kernel = getattr(module, KERNEL_NAME)
+    _loaded[digest] = kernel
+    return kernel

@@ -1,0 +1,260 @@
+"""The small IR a hook body is lowered to.
+
+A `Graph` is a list of `Node`s in program order (SSA: in-place ops in the body become new values
+that later reads see). Every value is either *full* (shaped like the gradient) or *scalar*
+(a Python literal, or a closed-over 0-dim tensor read by the kernel at each run).
+Dtypes follow torch's type promotion, computed by running each op on meta tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+# --- statistics ------------------------------------------------------------------------------------
+
+#: Every statistic a hook can record, in the order of the slots of a stats row.
+STAT_NAMES = (
+    "count", "sum", "mean", "sumsq", "norm", "var", "std",
+    "min", "max", "absmax", "nan", "inf", "zeros",
+)
+#: Statistics read back as Python ints.
+COUNT_STATS = frozenset({"count", "nan", "inf", "zeros"})
+
+# --- ops -------------------------------------------------------------------------------------------
+
+#: Canonical op name -> signature (argument names, as torch spells them). Ops with a tensor result
+#: shaped like their first argument; the reference backend and codegen implement each of them.
+SIGNATURES: dict[str, str] = {
+    # arithmetic
+    "add": "input, other, *, alpha=1",
+    "sub": "input, other, *, alpha=1",
+    "mul": "input, other",
+    "div": "input, other, *, rounding_mode=None",
+    "neg": "input",
+    "abs": "input",
+    "sign": "input",
+    "sqrt": "input",
+    "rsqrt": "input",
+    "exp": "input",
+    "log": "input",
+    "reciprocal": "input",
+    "square": "input",
+    "pow": "input, exponent",
+    # clipping, selection
+    "clamp": "input, min=None, max=None",
+    "clamp_min": "input, min",
+    "clamp_max": "input, max",
+    "minimum": "input, other",
+    "maximum": "input, other",
+    "where": "condition, input, other",
+    # comparisons, logic
+    "eq": "input, other",
+    "ne": "input, other",
+    "lt": "input, other",
+    "le": "input, other",
+    "gt": "input, other",
+    "ge": "input, other",
+    "logical_and": "input, other",
+    "logical_or": "input, other",
+    "logical_xor": "input, other",
+    "logical_not": "input",
+    "bitwise_and": "input, other",
+    "bitwise_or": "input, other",
+    "bitwise_xor": "input, other",
+    "bitwise_not": "input",
+    # special values
+    "isnan": "input",
+    "isinf": "input",
+    "isfinite": "input",
+    "nan_to_num": "input, nan=0.0, posinf=None, neginf=None",
+    # constructors and copies
+    "zeros_like": "input, *, dtype=None",
+    "ones_like": "input, *, dtype=None",
+    "full_like": "input, fill_value, *, dtype=None",
+    "fill": "input, value",
+    "zero": "input",
+    "copy": "input, src",
+    "to": "input, dtype",
+}
+
+#: Arguments that must be Python numbers (compile-time constants), not tensors.
+NUMBER_ARGS = {
+    "add": ("alpha",), "sub": ("alpha",), "pow": ("exponent",),
+    "nan_to_num": ("nan", "posinf", "neginf"), "full_like": ("fill_value",), "fill": ("value",),
+}
+#: Arguments that are dtypes.
+DTYPE_ARGS = {"zeros_like": ("dtype",), "ones_like": ("dtype",), "full_like": ("dtype",), "to": ("dtype",)}
+
+
+def _make_signature(spec: str) -> inspect.Signature:
+    params, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for part in (p.strip() for p in spec.split(",")):
+        if part == "*":
+            kind = inspect.Parameter.KEYWORD_ONLY
+            continue
+        name, _, default = part.partition("=")
+        params.append(inspect.Parameter(
+            name, kind, default=eval(default) if default else inspect.Parameter.empty))
+    return inspect.Signature(params)
+
+
+_SIGNATURE_OBJECTS = {name: _make_signature(spec) for name, spec in SIGNATURES.items()}
+
+
+def bind(op: str, args: tuple, kwargs: dict) -> dict:
+    """Bind a call's arguments to `op`'s signature; raises TypeError naming the op."""
+    try:
+        bound = _SIGNATURE_OBJECTS[op].bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{op}({SIGNATURES[op]}): {e}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+#: ops that are Python operators: with a number first (`1 - grad`) torch runs the reflected method
+_OPERATOR_OPS = {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
+    "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
+    "ge": operator.ge, "bitwise_and": operator.and_, "bitwise_or": operator.or_, "bitwise_xor": operator.xor,
+}
+
+
+def eager(op: str, a: dict):
+    """Run `op` with bound arguments `a` as eager torch (on real or meta tensors), out of place."""
+    x = a.get("input")
+    if op in _OPERATOR_OPS and a.get("alpha", 1) == 1 and a.get("rounding_mode") is None:
+        return _OPERATOR_OPS[op](x, a["other"])
+    if op in ("add", "sub"):
+        return getattr(torch, op)(x, a["other"], alpha=a["alpha"])
+    if op == "div":
+        return torch.div(x, a["other"], rounding_mode=a["rounding_mode"])
+    if op == "pow":
+        return torch.pow(x, a["exponent"])
+    if op == "clamp":
+        lo, hi = a["min"], a["max"]
+        if isinstance(lo, torch.Tensor) != isinstance(hi, torch.Tensor) and lo is not None and hi is not None:
+            # torch would read the tensor bound with .item() (a host sync); a tensor for both is the same
+            device = (lo if isinstance(lo, torch.Tensor) else hi).device
+            lo, hi = (v if isinstance(v, torch.Tensor) else torch.tensor(v, device=device) for v in (lo, hi))
+        return torch.clamp(x, lo, hi)
+    if op == "clamp_min":
+        return torch.clamp_min(x, a["min"])
+    if op == "clamp_max":
+        return torch.clamp_max(x, a["max"])
+    if op == "where":
+        return torch.where(a["condition"], x, a["other"])
+    if op == "nan_to_num":
+        return torch.nan_to_num(x, a["nan"], a["posinf"], a["neginf"])
+    if op in ("zeros_like", "ones_like"):
+        return getattr(torch, op)(x, dtype=a["dtype"])
+    if op == "full_like":
+        return torch.full_like(x, a["fill_value"], dtype=a["dtype"])
+    if op == "fill":
+        return torch.full_like(x, a["value"])
+    if op == "zero":
+        return torch.zeros_like(x)
+    if op == "copy":
+        return torch.empty_like(x).copy_(a["src"])
+    if op == "to":
+        return x.to(a["dtype"])
+    if "other" in a:
+        return getattr(torch, op)(x, a["other"])
+    return getattr(torch, op)(x)
+
+
+# --- the graph -------------------------------------------------------------------------------------
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(eq=False)
+class Node:
+    """One value of the hook body.
+
+    kind: "grad" | "param" (inputs, full), "const" (a Python literal, `value`),
+          "scalar" (closed-over tensor number `value`), or "op" (`op` applied to `args`).
+    args: for "op", the bound arguments: name -> Node, Python number, dtype or None.
+    dtype: the torch dtype of the value (None for a Python literal).
+    full: shaped like the gradient (True) or a scalar broadcast over it (False).
+    """
+
+    index: int
+    kind: str
+    dtype: torch.dtype | None
+    full: bool
+    op: str | None = None
+    args: dict = field(default_factory=dict)
+    value: object = None
+    #: the dtype the op computes in, before its result is cast to `dtype` (comparisons, casts)
+    op_dtype: torch.dtype | None = None
+
+    def inputs(self) -> list[Node]:
+        return [v for v in self.args.values() if isinstance(v, Node)]
+
+    def __repr__(self) -> str:
+        if self.kind == "op":
+            shown = ", ".join(f"{k}={_shown(v)}" for k, v in self.args.items())
+            return f"{self.name} = {self.op}({shown}) : {_dt(self.dtype)}{'' if self.full else ' scalar'}"
+        if self.kind == "const":
+            return f"{self.name} = {self.value!r}"
+        if self.kind == "scalar":
+            return f"{self.name} = scalar[{self.value}] : {_dt(self.dtype)}"
+        return f"{self.name} = {self.kind} : {_dt(self.dtype)}"
+
+    @property
+    def name(self) -> str:
+        return {"grad": "grad", "param": "param"}.get(self.kind, f"v{self.index}")
+
+
+def _shown(v) -> str:
+    if isinstance(v, Node):
+        return repr(v.value) if v.kind == "const" else v.name
+    return repr(v)
+
+
+def _dt(dtype) -> str:
+    return "python" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+@dataclass(eq=False)
+class Graph:
+    """A lowered hook body for one gradient dtype.
+
+    nodes: every value, in program order; result: what is written into `.grad` (cast to `grad_dtype`);
+    scalar_dtypes: dtype of each closed-over tensor the kernel reads (index = `Node.value`).
+    """
+
+    grad_dtype: torch.dtype
+    nodes: list[Node]
+    result: Node
+    scalar_dtypes: tuple[torch.dtype, ...]
+    uses_param: bool
+
+    @property
+    def writes(self) -> bool:
+        """False when the body leaves the gradient as it is (statistics only)."""
+        return self.result.kind != "grad"
+
+    def live_nodes(self) -> list[Node]:
+        """Nodes the result depends on, in program order."""
+        live, stack = set(), [self.result]
+        while stack:
+            n = stack.pop()
+            if n.index not in live:
+                live.add(n.index)
+                stack.extend(n.inputs())
+        return [n for n in self.nodes if n.index in live]
+
+    def __str__(self) -> str:
+        lines = [repr(n) for n in self.live_nodes() if n.kind != "const"]
+        lines.append(f"grad <- {self.result.name}")
+        return "\n".join(lines)
+
+
+def is_number(x) -> bool:
+    return isinstance(x, numbers.Number) and not isinstance(x, complex)

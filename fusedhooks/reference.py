@@ -1,0 +1,79 @@
+"""The same plan as eager torch ops: the CPU backend and the oracle of the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from .ir import Graph, Node, eager
+from .plan import Plan
+
+
+def evaluate(graph: Graph, grad: torch.Tensor, param: torch.Tensor | None, scalars: list[torch.Tensor]):
+    """The body's result as eager torch computes it (not yet written); grad/param keep their shapes."""
+    values: dict[int, object] = {}
+
+    def get(v):
+        return values[v.index] if isinstance(v, Node) else v
+
+    for n in graph.live_nodes():
+        if n.kind == "grad":
+            values[n.index] = grad
+        elif n.kind == "param":
+            values[n.index] = param
+        elif n.kind == "const":
+            values[n.index] = n.value
+        elif n.kind == "scalar":
+            values[n.index] = scalars[n.value]
+        else:
+            values[n.index] = eager(n.op, {k: get(v) for k, v in n.args.items()})
+    return values[graph.result.index]
+
+
+def tensor_stats(x: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor]:
+    """Statistics of `x` as float64 0-dim tensors on x's device, with torch's NaN/Inf behaviour.
+
+    min, max and absmax of an empty tensor are NaN (torch raises); var/std of fewer than 2 elements NaN.
+    """
+    x64 = x.detach().reshape(-1).to(torch.float64)
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
+    empty = x64.numel() == 0
+
+    def one(name):
+        if name == "count":
+            return torch.tensor(float(x64.numel()), dtype=torch.float64, device=x.device)
+        if name == "sum":
+            return x64.sum()
+        if name == "mean":
+            return x64.mean() if not empty else nan
+        if name == "sumsq":
+            return (x64 * x64).sum()
+        if name == "norm":
+            return torch.linalg.vector_norm(x64)
+        if name in ("var", "std"):
+            if x64.numel() < 2:
+                return nan
+            return getattr(torch, name)(x64)
+        if name in ("min", "max"):
+            return nan if empty else getattr(x64, name)()
+        if name == "absmax":
+            return nan if empty else x64.abs().max()
+        if name == "nan":
+            return torch.isnan(x64).sum().to(torch.float64)
+        if name == "inf":
+            return torch.isinf(x64).sum().to(torch.float64)
+        if name == "zeros":
+            return (x64 == 0).sum().to(torch.float64)
+        raise KeyError(name)
+
+    return [one(name) for name in names]
+
+
+def run(plan: Plan, grad: torch.Tensor, param: torch.Tensor | None, scalars: list[torch.Tensor],
+        stats_row: torch.Tensor | None) -> None:
+    """Apply `plan` to `grad` in place with eager torch ops and write the statistics into `stats_row`."""
+    values = tensor_stats(grad, plan.input_stats) if plan.input_stats else []
+    if plan.graph.writes:
+        grad.copy_(evaluate(plan.graph, grad, param, scalars))
+    values = (tensor_stats(grad, plan.stats) if plan.stats else []) + values
+    if values and stats_row is not None:
+        stats_row.copy_(torch.stack(values))

@@ -1,0 +1,75 @@
+"""The device statistics buffer of a hook and its readers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .ir import COUNT_STATS
+
+
+class HookStats:
+    """Statistics a hook records, one row per registered parameter.
+
+    `tensor` is a float64 device tensor of shape [parameters, slots]; slot j of every row holds
+    `slot_names[j]` (statistics after the body first, then "input.<name>" ones). A row is overwritten
+    at each firing of its parameter; rows that have not fired hold NaN and are left out of `read()`.
+    """
+
+    def __init__(self, stats: tuple[str, ...], input_stats: tuple[str, ...]):
+        self.slot_names = tuple(stats) + tuple(f"input.{s}" for s in input_stats)
+        self.names: list[str] = []
+        self._fired: list[bool] = []
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The raw [parameters, slots] float64 buffer on the parameters' device (no sync)."""
+        if self._buffer is None:
+            return torch.empty(0, len(self.slot_names), dtype=torch.float64)
+        return self._buffer
+
+    @property
+    def device(self) -> torch.device | None:
+        return None if self._buffer is None else self._buffer.device
+
+    def add_row(self, name: str, device: torch.device) -> int:
+        """Append a row for a new parameter (at registration, never during a firing of another)."""
+        if name in self.names:
+            raise ValueError(f"a parameter named {name!r} is already registered with this hook; "
+                             "pass a different name=")
+        if self._buffer is not None and self._buffer.device != device:
+            raise ValueError(f"this hook records statistics on {self._buffer.device}; a parameter on {device} "
+                             "needs a hook of its own")
+        row = torch.full((1, len(self.slot_names)), math.nan, dtype=torch.float64, device=device)
+        self._buffer = row if self._buffer is None else torch.cat([self._buffer, row])
+        self.names.append(name)
+        self._fired.append(False)
+        return len(self.names) - 1
+
+    def row(self, index: int) -> torch.Tensor:
+        """Row `index` of the buffer, marked as fired (a view; the kernel writes into it)."""
+        self._fired[index] = True
+        return self._buffer[index]
+
+    def read(self) -> dict[str, dict[str, float | int]]:
+        """{parameter name: {statistic: value}} for every parameter that fired; one device-to-host copy."""
+        if self._buffer is None or not self.slot_names:
+            return {}
+        values = self._buffer.tolist()
+        out = {}
+        for name, fired, row in zip(self.names, self._fired, values):
+            if fired:
+                out[name] = {s: (int(v) if s.removeprefix("input.") in COUNT_STATS and not math.isnan(v) else v)
+                             for s, v in zip(self.slot_names, row)}
+        return out
+
+    def reset(self) -> None:
+        """Forget every recorded value (no sync)."""
+        if self._buffer is not None:
+            self._buffer.fill_(math.nan)
+        self._fired = [False] * len(self._fired)
+
+    def __repr__(self) -> str:
+        return f"HookStats({len(self.names)} parameters x {list(self.slot_names)})"

@@ -1,0 +1,410 @@
+"""Tracing a hook body with torch.fx and lowering it to the IR; every "cannot compile" error is raised here."""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import numbers
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+
+from .ir import DTYPE_ARGS, FLOAT_DTYPES, NUMBER_ARGS, SIGNATURES, Graph, Node, bind, eager, is_number
+
+
+class CompileError(TypeError):
+    """A hook body that fusedhooks cannot compile; raised when the function is decorated."""
+
+
+SUPPORTED_HINT = "See 'Supported ops' in the fusedhooks README (fusedhooks.supported_ops() lists them)."
+
+#: dtypes a value inside a hook body may have
+BODY_DTYPES = FLOAT_DTYPES + (torch.bool, torch.int32, torch.int64)
+
+_OPERATORS = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
+    operator.neg: "neg", operator.abs: "abs", operator.pow: "pow",
+    operator.eq: "eq", operator.ne: "ne", operator.lt: "lt", operator.le: "le",
+    operator.gt: "gt", operator.ge: "ge",
+    operator.and_: "bitwise_and", operator.or_: "bitwise_or", operator.xor: "bitwise_xor",
+    operator.invert: "bitwise_not",
+}
+_ALIASES = {
+    "clip": "clamp", "absolute": "abs", "negative": "neg", "multiply": "mul", "divide": "div",
+    "true_divide": "div", "subtract": "sub", "greater": "gt", "greater_equal": "ge", "less": "lt",
+    "less_equal": "le", "not_equal": "ne", "clip_min": "clamp_min", "clip_max": "clamp_max",
+}
+_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
+                 "double": torch.float64}
+#: methods that read a traced value on the host; named in their own error
+_HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__index__", "__len__")
+
+
+def supported_ops() -> list[str]:
+    """Names of the ops a hook body may use (also as in-place methods `op_` where torch has them)."""
+    names = set(SIGNATURES) - {"fill", "zero", "copy", "to"}
+    names |= {"fill_", "zero_", "copy_", "float", "half", "bfloat16", "double", "to(dtype)"}
+    return sorted(names | set(_ALIASES))
+
+
+# --- tracing ---------------------------------------------------------------------------------------
+
+def _host_read(name):
+    label = f"{name.strip('_')}()" if name.startswith("__") else f".{name}()"
+
+    def refuse(self, *args, **kwargs):
+        raise CompileError(
+            f"`{label}` of a traced value needs a host sync and cannot be compiled into the kernel: "
+            "the hook body must stay on the device. Use tensor ops (torch.where, clamp) instead.")
+    return refuse
+
+
+def _inplace_operator(method):
+    def apply(self, other):
+        return self.tracer.create_proxy("call_method", method, (self, other), {})
+    return apply
+
+
+class _HookProxy(fx.Proxy):
+    """fx.Proxy that records `x += y` as the in-place `x.add_(y)` (torch semantics) and refuses host reads."""
+
+    __iadd__ = _inplace_operator("add_")
+    __isub__ = _inplace_operator("sub_")
+    __imul__ = _inplace_operator("mul_")
+    __itruediv__ = _inplace_operator("div_")
+    __iand__ = _inplace_operator("bitwise_and_")
+    __ior__ = _inplace_operator("bitwise_or_")
+    __ixor__ = _inplace_operator("bitwise_xor_")
+
+    def __abs__(self):
+        return self.tracer.create_proxy("call_method", "abs", (self,), {})
+
+    for _name in _HOST_READS:
+        locals()[_name] = _host_read(_name)
+    del _name
+
+
+class _HookTracer(fx.Tracer):
+    def proxy(self, node):
+        return _HookProxy(node, self)
+
+
+_FORMATTING = {torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__}
+
+
+class _LiftClosedTensors(TorchFunctionMode):
+    """While tracing, an op on closed-over tensors alone (`scale * 2`, `s.mul_(2)`) is recorded on them
+    instead of running once at decoration: the kernel then recomputes it from their current values."""
+
+    def __init__(self, tracer: fx.Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = pytree.tree_leaves((args, kwargs))
+        if func in _FORMATTING or any(isinstance(a, fx.Proxy) for a in flat) or \
+                not any(isinstance(a, torch.Tensor) for a in flat):
+            return func(*args, **kwargs)
+        lift = lambda a: self.tracer.proxy(self.tracer.create_arg(a)) if isinstance(a, torch.Tensor) else a
+        args, kwargs = pytree.tree_map(lift, (args, kwargs))
+        name = getattr(func, "__name__", "")
+        if args and isinstance(args[0], fx.Proxy) and getattr(torch.Tensor, name, None) is func:
+            return getattr(args[0], name)(*args[1:], **kwargs)  # a method: record call_method
+        return func(*args, **kwargs)
+
+
+@dataclass
+class TracedBody:
+    """A traced hook function: its fx graph, the tensors it closes over, and whether it reads the param."""
+
+    name: str
+    graph: fx.Graph
+    scalars: list[torch.Tensor]
+    scalar_of: dict[str, int]       # get_attr target -> index into scalars
+    uses_param: bool
+
+
+def _arity(fn) -> int:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        raise CompileError(f"cannot inspect the signature of {fn!r}") from None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    others = [p for p in params if p not in positional or p.default is not p.empty]
+    if not 1 <= len(positional) <= 2 or others:
+        raise CompileError(
+            f"a hook function takes the gradient and, optionally, the parameter: `def {fn.__name__}(grad)` "
+            f"or `def {fn.__name__}(grad, param)`; got {fn.__name__}{inspect.signature(fn)}")
+    return len(positional)
+
+
+def trace(fn) -> TracedBody:
+    """Trace `fn(grad[, param])` with torch.fx. Raises CompileError for what cannot be compiled."""
+    name = getattr(fn, "__name__", repr(fn))
+    arity = _arity(fn)
+    tracer = _HookTracer()
+    real_print = builtins.print
+
+    def guarded_print(*args, **kwargs):
+        if any(isinstance(a, fx.Proxy) for a in args):
+            raise CompileError("`print` of a traced value needs a host sync; record statistics with "
+                               "stats=(...) and read them with hook.stats.read()")
+        return real_print(*args, **kwargs)
+
+    builtins.print = guarded_print
+    try:
+        with _LiftClosedTensors(tracer):
+            graph = tracer.trace(fn)
+    except CompileError as e:
+        raise CompileError(f"cannot compile {name}: {e}") from None
+    except fx.proxy.TraceError as e:
+        raise CompileError(
+            f"cannot compile {name}: data-dependent Python control flow (`if`, `while`, `bool()`, "
+            f"iteration) on a traced value cannot be compiled ({e}). Use torch.where instead.") from None
+    except Exception as e:  # anything else the body did to a Proxy
+        raise CompileError(f"cannot compile {name}: {type(e).__name__}: {e}. {SUPPORTED_HINT}") from None
+    finally:
+        builtins.print = real_print
+
+    scalars, scalar_of = [], {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            t = getattr(tracer.root, node.target)
+            _check_closed_tensor(name, t)
+            scalar_of[node.target] = len(scalars)
+            scalars.append(t)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    uses_param = arity == 2 and len(placeholders[1].users) > 0
+    return TracedBody(name, graph, scalars, scalar_of, uses_param)
+
+
+def _check_closed_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise CompileError(f"cannot compile {name}: closes over a {type(t).__name__}; only tensors and numbers")
+    if t.layout != torch.strided:
+        raise CompileError(f"cannot compile {name}: closed-over tensor has layout {t.layout}; use a dense tensor")
+    if t.numel() != 1:
+        raise CompileError(
+            f"cannot compile {name}: closes over a tensor of shape {tuple(t.shape)}; only 0-dim (one-element) "
+            "tensors can be read by the kernel (a scale, a schedule, GradScaler's scale)")
+    if t.dtype not in BODY_DTYPES:
+        raise CompileError(f"cannot compile {name}: closed-over tensor has dtype {t.dtype}; "
+                           f"supported: {', '.join(str(d) for d in BODY_DTYPES)}")
+
+
+# --- lowering --------------------------------------------------------------------------------------
+
+def _resolve(fxn: fx.Node) -> tuple[str, bool]:
+    """(canonical op name, in-place) for a call node; raises CompileError for unsupported targets."""
+    if fxn.op == "call_function":
+        if fxn.target in _OPERATORS:
+            return _OPERATORS[fxn.target], False
+        if fxn.target is operator.pos:
+            return "pos", False
+        if fxn.target is operator.getitem:
+            raise CompileError("indexing a traced value is not supported: a hook body is elementwise")
+        if fxn.target is getattr:
+            raise CompileError(f"attribute access `.{fxn.args[1]}` is not supported: the body must not "
+                               "depend on the gradient's shape, dtype or device")
+        name = getattr(fxn.target, "__name__", str(fxn.target))
+        module = getattr(fxn.target, "__module__", "") or ""
+        is_torch = getattr(torch, name, None) is fxn.target or module.startswith("torch._C")
+        if not is_torch:
+            raise CompileError(f"`{module}.{name}` is not supported in a hook body. {SUPPORTED_HINT}")
+        label = f"torch.{name}"
+    elif fxn.op == "call_method":
+        name, label = fxn.target, f"Tensor.{fxn.target}"
+        if name in _CAST_METHODS:
+            return name, False
+    else:
+        raise CompileError(f"`{fxn.op} {fxn.target}` is not supported in a hook body. {SUPPORTED_HINT}")
+    inplace = name.endswith("_") and not name.startswith("_")
+    base = name[:-1] if inplace else name
+    base = _ALIASES.get(base, base)
+    if base in ("fill", "zero", "copy") and not inplace:
+        base = "?"
+    if base not in SIGNATURES:
+        raise CompileError(f"`{label}` is not supported in a hook body. {SUPPORTED_HINT}")
+    return base, inplace
+
+
+def _meta(node: Node, shape):
+    if node.kind == "const":
+        return node.value
+    if node.kind == "scalar":
+        return torch.empty(node.value_shape, dtype=node.dtype, device="meta")
+    return torch.empty(shape if node.full else (), dtype=node.dtype, device="meta")
+
+
+def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph, tuple]:
+    """Lower the traced body for gradients of `grad_dtype` and `shape`.
+
+    Returns (graph, result_shape). Raises CompileError naming the offending op.
+    """
+    nodes: list[Node] = []
+    metas: dict[int, object] = {}
+    value_of: dict[str, Node] = {}     # alias root (fx node name) -> current value
+    root_of: dict[str, str] = {}       # fx node name -> alias root
+
+    def add(kind, dtype, full, meta, **kw) -> Node:
+        n = Node(len(nodes), kind, dtype, full, **kw)
+        nodes.append(n)
+        metas[n.index] = meta
+        return n
+
+    def const(v) -> Node:
+        v = bool(v) if isinstance(v, bool) else int(v) if isinstance(v, numbers.Integral) else float(v)
+        return add("const", None, False, v, value=v)
+
+    def arg(a, op):
+        if isinstance(a, fx.Node):
+            return value_of[root_of[a.name]]
+        if is_number(a):
+            return const(a)
+        if a is None or isinstance(a, torch.dtype):
+            return a
+        raise CompileError(f"cannot compile {body.name}: `{op}` got an argument of type {type(a).__name__} "
+                           f"({a!r}); arguments must be the gradient, the parameter, traced values, real "
+                           "numbers or dtypes")
+
+    placeholders = 0
+    result = None
+    for fxn in body.graph.nodes:
+        if fxn.op == "placeholder":
+            kind = ("grad", "param")[placeholders]
+            placeholders += 1
+            n = add(kind, grad_dtype, True, torch.empty(shape, dtype=grad_dtype, device="meta"))
+        elif fxn.op == "get_attr":
+            index = body.scalar_of[fxn.target]
+            t = body.scalars[index]
+            n = add("scalar", t.dtype, False, None, value=index)
+            n.value_shape = tuple(t.shape)
+            metas[n.index] = _meta(n, shape)
+        elif fxn.op == "output":
+            out = fxn.args[0]
+            if out is None:
+                result = value_of[_first_placeholder(body)]
+            elif isinstance(out, fx.Node):
+                result = value_of[root_of[out.name]]
+            elif is_number(out):
+                result = _op_node(add, "full_like", {"input": value_of[_first_placeholder(body)],
+                                                      "fill_value": out, "dtype": None}, metas, body)
+            else:
+                kind = next((k.__name__ for k in (tuple, list, dict) if isinstance(out, k)), type(out).__name__)
+                raise CompileError(f"cannot compile {body.name}: it returns a {kind}; a hook "
+                                   "returns None (in-place body) or one tensor to write into .grad")
+            break
+        else:
+            op, inplace = _resolve_named(body, fxn)
+            raw = list(fxn.args)
+            if op in _CAST_METHODS:
+                op, raw = "to", raw + [_CAST_METHODS[fxn.target]]
+            if op == "pos":
+                value_of[fxn.name] = arg(raw[0], "pos")
+                root_of[fxn.name] = fxn.name
+                continue
+            try:
+                bound = bind(op, tuple(raw), dict(fxn.kwargs))
+            except TypeError as e:
+                raise CompileError(f"cannot compile {body.name}: {e}") from None
+            for k in NUMBER_ARGS.get(op, ()):
+                v = bound.get(k)
+                if v is not None and not is_number(v):
+                    raise CompileError(f"cannot compile {body.name}: `{op}` needs a Python number for "
+                                       f"`{k}` (a compile-time constant), got {type(v).__name__}")
+            for k in DTYPE_ARGS.get(op, ()):
+                v = bound.get(k)
+                if v is not None and not isinstance(v, torch.dtype):
+                    raise CompileError(f"cannot compile {body.name}: `{op}` takes only a dtype here, got {v!r}")
+            args = {}
+            for k, v in bound.items():
+                if k in NUMBER_ARGS.get(op, ()) or k in DTYPE_ARGS.get(op, ()) or k == "rounding_mode":
+                    args[k] = v
+                else:
+                    args[k] = arg(v, op)
+            if not isinstance(args.get("input"), Node) and op != "where":
+                if op not in ("add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge",
+                              "bitwise_and", "bitwise_or", "bitwise_xor") or not isinstance(args.get("other"), Node):
+                    raise CompileError(f"cannot compile {body.name}: `{op}` needs a tensor argument")
+            if op == "pow" and not isinstance(args["input"], Node):
+                raise CompileError(f"cannot compile {body.name}: pow with a tensor exponent is not supported")
+            if op == "pow" and not args["input"].dtype.is_floating_point:
+                raise CompileError(f"cannot compile {body.name}: pow of a {args['input'].dtype} value is not "
+                                   "supported; convert it with .float() first")
+            if args.get("rounding_mode") is not None:
+                raise CompileError(f"cannot compile {body.name}: div(rounding_mode={args['rounding_mode']!r}) "
+                                   "is not supported; only true division")
+            n = _op_node(add, op, args, metas, body)
+            if inplace:
+                root = root_of[fxn.args[0].name]
+                target = value_of[root]
+                if target.kind == "param":
+                    raise CompileError(f"cannot compile {body.name}: `{fxn.target}` writes to the parameter; "
+                                       "the parameter is read-only in a hook (write the gradient instead)")
+                if target.kind == "scalar":
+                    raise CompileError(f"cannot compile {body.name}: `{fxn.target}` writes to a closed-over "
+                                       "tensor; a hook body may only write the gradient")
+                _check_inplace(body, fxn.target, metas[target.index], metas[n.index])
+                if n.full != target.full and not target.full:
+                    raise CompileError(f"cannot compile {body.name}: `{fxn.target}` would broadcast into a scalar")
+                if n.dtype != target.dtype:
+                    n = _op_node(add, "to", {"input": n, "dtype": target.dtype}, metas, body)
+                value_of[root] = n
+                root_of[fxn.name] = root
+                continue
+        value_of[fxn.name] = n
+        root_of[fxn.name] = fxn.name
+
+    if result.dtype not in BODY_DTYPES:
+        raise CompileError(f"cannot compile {body.name}: the result has dtype {result.dtype}")
+    result_meta = metas[result.index]
+    result_shape = tuple(result_meta.shape) if isinstance(result_meta, torch.Tensor) else ()
+    scalar_dtypes = tuple(t.dtype for t in body.scalars)
+    graph = Graph(grad_dtype, nodes, result, scalar_dtypes, body.uses_param)
+    return graph, result_shape
+
+
+def _first_placeholder(body: TracedBody) -> str:
+    return next(n.name for n in body.graph.nodes if n.op == "placeholder")
+
+
+def _resolve_named(body: TracedBody, fxn: fx.Node) -> tuple[str, bool]:
+    try:
+        return _resolve(fxn)
+    except CompileError as e:
+        raise CompileError(f"cannot compile {body.name}: {e}") from None
+
+
+def _op_node(add, op: str, args: dict, metas: dict, body: TracedBody) -> Node:
+    meta_args = {k: (metas[v.index] if isinstance(v, Node) else v) for k, v in args.items()}
+    try:
+        out = eager(op, meta_args)
+    except Exception as e:
+        raise CompileError(f"cannot compile {body.name}: `{op}` failed on these arguments: {e}") from None
+    if out.dtype not in BODY_DTYPES:
+        raise CompileError(f"cannot compile {body.name}: `{op}` gives dtype {out.dtype}; values in a hook body "
+                           f"may be {', '.join(str(d).removeprefix('torch.') for d in BODY_DTYPES)}")
+    full = any(v.full for v in args.values() if isinstance(v, Node))
+    tensors = [v for v in args.values() if isinstance(v, Node) and v.kind != "const"]
+    op_dtype = out.dtype
+    if op in ("eq", "ne", "lt", "le", "gt", "ge", "minimum", "maximum") or op.startswith(("logical_", "bitwise_")):
+        operands = [meta_args[k] for k in ("input", "other") if k in meta_args]
+        op_dtype = torch.result_type(*operands) if len(operands) == 2 else operands[0].dtype
+    elif op in ("isnan", "isinf", "isfinite"):
+        op_dtype = tensors[0].dtype
+    return add("op", out.dtype, full, out, op=op, args=args, op_dtype=op_dtype)
+
+
+def _check_inplace(body: TracedBody, method: str, target_meta, out_meta) -> None:
+    """Refuse in-place ops that torch itself refuses (a float result into a bool value, broadcasting)."""
+    if not torch.can_cast(out_meta.dtype, target_meta.dtype):
+        raise CompileError(f"cannot compile {body.name}: `{method}` would store a {out_meta.dtype} result "
+                           f"into a {target_meta.dtype} value, which torch refuses")
+    if torch.broadcast_shapes(out_meta.shape, target_meta.shape) != target_meta.shape:
+        raise CompileError(f"cannot compile {body.name}: `{method}` result of shape {tuple(out_meta.shape)} "
+                           f"does not fit a value of shape {tuple(target_meta.shape)}")

@@ -1,0 +1,109 @@
+"""Statistics: per-program partials and the merge that the last program of a launch performs.
+
+A launch over `num_blocks` programs writes, for each statistics set (output, input), one row of
+N_PARTIALS fp64 values per program; the program that finishes last merges the rows in program order
+(deterministic) with Chan's parallel variance formula, then applies torch's NaN rules.
+"""
+
+import triton
+import triton.language as tl
+
+#: slots of a partials row: sum, sum of squares, M2 (sum of squared deviations from the block mean),
+#: min, max (NaN excluded), counts of NaN, +-Inf and zeros
+N_PARTIALS = 8
+
+
+@triton.jit
+def store_partials(x, mask, n_valid, out_ptr,
+                   SUM: tl.constexpr, M2: tl.constexpr, SUMSQ: tl.constexpr,
+                   MINMAX: tl.constexpr, COUNTS: tl.constexpr):
+    """Reduce one block and store its partials.
+
+    x: fp32/fp64 [BLOCK] values (lanes outside `mask` ignored); n_valid: int64, lanes in `mask`;
+    out_ptr: *fp64, N_PARTIALS slots. The flags choose which partials are computed (the rest is 0).
+    """
+    if SUM:
+        block_sum = tl.sum(tl.where(mask, x, 0.0), axis=0)
+        tl.store(out_ptr + 0, block_sum.to(tl.float64))
+        if M2:
+            block_mean = block_sum / n_valid.to(x.dtype)
+            dev = tl.where(mask, x - block_mean, 0.0)
+            tl.store(out_ptr + 2, tl.sum(dev * dev, axis=0).to(tl.float64))
+    if SUMSQ:
+        tl.store(out_ptr + 1, tl.sum(tl.where(mask, x * x, 0.0), axis=0).to(tl.float64))
+    if MINMAX:
+        is_num = mask & (x == x)
+        tl.store(out_ptr + 3, tl.min(tl.where(is_num, x, float("inf")), axis=0).to(tl.float64))
+        tl.store(out_ptr + 4, tl.max(tl.where(is_num, x, float("-inf")), axis=0).to(tl.float64))
+    if COUNTS:
+        tl.store(out_ptr + 5, tl.sum((mask & (x != x)).to(tl.int32), axis=0).to(tl.float64))
+        tl.store(out_ptr + 6, tl.sum((mask & (tl.abs(x) == float("inf"))).to(tl.int32), axis=0).to(tl.float64))
+        tl.store(out_ptr + 7, tl.sum((mask & (x == 0)).to(tl.int32), axis=0).to(tl.float64))
+
+
+@triton.jit
+def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel, num_blocks,
+                   BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
+                   SUM: tl.constexpr, M2: tl.constexpr, SUMSQ: tl.constexpr,
+                   MINMAX: tl.constexpr, COUNTS: tl.constexpr):
+    """Merge the partials of statistics set SET over `num_blocks` programs, in fp64.
+
+    partials_ptr: *fp64 [num_blocks, N_SETS, N_PARTIALS]; numel: elements covered (> 0).
+    Returns fp64 scalars (count, sum, mean, sumsq, norm, var, std, min, max, absmax, nan, inf, zeros);
+    those whose flag is off are 0.
+    """
+    rows = tl.arange(0, RBLOCK)
+    acc_sum = tl.zeros([RBLOCK], dtype=tl.float64)
+    acc_sumsq = tl.zeros([RBLOCK], dtype=tl.float64)
+    acc_min = tl.full([RBLOCK], float("inf"), dtype=tl.float64)
+    acc_max = tl.full([RBLOCK], float("-inf"), dtype=tl.float64)
+    acc_nan = tl.zeros([RBLOCK], dtype=tl.float64)
+    acc_inf = tl.zeros([RBLOCK], dtype=tl.float64)
+    acc_zeros = tl.zeros([RBLOCK], dtype=tl.float64)
+    for start in range(0, num_blocks, RBLOCK):
+        block = start + rows
+        valid = block < num_blocks
+        row_ptr = partials_ptr + (block.to(tl.int64) * N_SETS + SET) * 8
+        if SUM:
+            acc_sum += tl.load(row_ptr + 0, mask=valid, other=0.0, cache_modifier=".cg")
+        if SUMSQ:
+            acc_sumsq += tl.load(row_ptr + 1, mask=valid, other=0.0, cache_modifier=".cg")
+        if MINMAX:
+            acc_min = tl.minimum(acc_min, tl.load(row_ptr + 3, mask=valid, other=float("inf"), cache_modifier=".cg"))
+            acc_max = tl.maximum(acc_max, tl.load(row_ptr + 4, mask=valid, other=float("-inf"), cache_modifier=".cg"))
+        if COUNTS:
+            acc_nan += tl.load(row_ptr + 5, mask=valid, other=0.0, cache_modifier=".cg")
+            acc_inf += tl.load(row_ptr + 6, mask=valid, other=0.0, cache_modifier=".cg")
+            acc_zeros += tl.load(row_ptr + 7, mask=valid, other=0.0, cache_modifier=".cg")
+    n = numel.to(tl.float64)
+    total = tl.sum(acc_sum, axis=0)
+    mean = total / n
+    var = total * 0.0
+    if M2:
+        acc_m2 = tl.zeros([RBLOCK], dtype=tl.float64)
+        for start in range(0, num_blocks, RBLOCK):
+            block = start + rows
+            valid = block < num_blocks
+            row_ptr = partials_ptr + (block.to(tl.int64) * N_SETS + SET) * 8
+            n_block = tl.minimum(numel - block.to(tl.int64) * BLOCK, BLOCK).to(tl.float64)
+            n_block = tl.where(valid, n_block, 1.0)
+            block_sum = tl.load(row_ptr + 0, mask=valid, other=0.0, cache_modifier=".cg")
+            block_m2 = tl.load(row_ptr + 2, mask=valid, other=0.0, cache_modifier=".cg")
+            shift = block_sum / n_block - mean
+            acc_m2 += tl.where(valid, block_m2 + n_block * shift * shift, 0.0)
+        var = tl.sum(acc_m2, axis=0) / (n - 1.0)
+    sumsq = tl.sum(acc_sumsq, axis=0)
+    nan = tl.sum(acc_nan, axis=0)
+    mn = tl.min(acc_min, axis=0)
+    mx = tl.max(acc_max, axis=0)
+    absmax = tl.maximum(tl.abs(mn), tl.abs(mx))
+    if MINMAX:
+        mn = tl.where(nan > 0, float("nan"), mn)
+        mx = tl.where(nan > 0, float("nan"), mx)
+        absmax = tl.where(nan > 0, float("nan"), absmax)
+    else:
+        mn = total * 0.0
+        mx = mn
+        absmax = mn
+    return (n, total, mean, sumsq, tl.sqrt(sumsq), var, tl.sqrt(var), mn, mx, absmax,
+            nan, tl.sum(acc_inf, axis=0), tl.sum(acc_zeros, axis=0))

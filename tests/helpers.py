@@ -1,0 +1,47 @@
+"""Shared oracles and tolerances for the tests."""
+
+import torch
+
+from fusedhooks.reference import tensor_stats
+
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def assert_same_values(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 0) -> None:
+    """Elementwise identity (NaN where NaN; -0.0 == 0.0), or within `ulps` units in the last place."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual.dtype, expected.dtype)
+    a, e = actual.double(), expected.double()
+    nan_a, nan_e = torch.isnan(a), torch.isnan(e)
+    assert torch.equal(nan_a, nan_e), f"NaN positions differ at {torch.nonzero(nan_a != nan_e)[:5].tolist()}"
+    a, e = a[~nan_a], e[~nan_e]
+    if ulps == 0:
+        bad = a != e
+    else:
+        spacing = torch.finfo(expected.dtype).eps * torch.maximum(e.abs(), torch.tensor(torch.finfo(expected.dtype).tiny))
+        bad = ~((a == e) | ((a - e).abs() <= ulps * spacing))
+    assert not bad.any(), (f"{int(bad.sum())} of {a.numel()} values differ; first: actual "
+                           f"{a[bad][:5].tolist()} expected {e[bad][:5].tolist()}")
+
+
+def check_stats(got: dict, x: torch.Tensor, names, prefix: str = "") -> None:
+    """Compare recorded statistics with a float64 reference of `x`, with the tolerances of DESIGN.md."""
+    expected = dict(zip(names, (v.item() for v in tensor_stats(x, tuple(names)))))
+    x64 = x.double().reshape(-1)
+    finite = x64[torch.isfinite(x64)]
+    magnitude = finite.abs().sum().item() if finite.numel() else 0.0
+    for name in names:
+        g, e = got[prefix + name], expected[name]
+        if e != e:  # NaN
+            assert g != g, f"{name}: expected NaN, got {g}"
+            continue
+        if name in ("count", "nan", "inf", "zeros"):
+            assert isinstance(g, int) and g == e, f"{name}: {g!r} != {e!r}"
+        elif name in ("min", "max", "absmax"):
+            assert g == e, f"{name}: {g!r} != {e!r}"
+        elif abs(e) == float("inf"):
+            assert g == e, f"{name}: {g} != {e}"
+        elif name in ("sum", "mean"):
+            scale = magnitude / (x64.numel() if name == "mean" else 1)
+            assert abs(g - e) <= 1e-5 * scale + 1e-300, f"{name}: {g} vs {e} (scale {scale})"
+        else:
+            assert abs(g - e) <= 1e-5 * abs(e) + 1e-300, f"{name}: {g} vs {e}"

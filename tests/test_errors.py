@@ -1,0 +1,405 @@
+"""Every bad input is refused early (at decoration or at registration) with a message naming the problem."""
+
+import pytest
+import torch
+
+import fusedhooks as fh
+
+
+def leaf(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+
+def test_compile_error_is_a_type_error():
+    assert issubclass(fh.CompileError, TypeError)
+
+
+# --- decoration time: what cannot be traced ---------------------------------------------------------
+
+def test_if_on_traced_value_rejected():
+    def body(grad):
+        if grad > 0:
+            return grad
+        return grad * 2
+
+    with pytest.raises(fh.CompileError, match=r"control flow.*torch\.where"):
+        fh.grad_hook(body)
+
+
+def test_while_on_traced_value_rejected():
+    def body(grad):
+        while grad > 0:
+            grad = grad - 1
+        return grad
+
+    with pytest.raises(fh.CompileError, match="control flow"):
+        fh.grad_hook(body)
+
+
+def test_iteration_over_traced_value_rejected():
+    def body(grad):
+        for _ in grad:
+            pass
+        return grad
+
+    with pytest.raises(fh.CompileError, match="control flow"):
+        fh.grad_hook(body)
+
+
+def test_item_rejected():
+    def body(grad):
+        return grad * grad.item()
+
+    with pytest.raises(fh.CompileError, match=r"`\.item\(\)`.*host sync"):
+        fh.grad_hook(body)
+
+
+def test_tolist_rejected():
+    def body(grad):
+        grad.tolist()
+
+    with pytest.raises(fh.CompileError, match=r"`\.tolist\(\)`.*host sync"):
+        fh.grad_hook(body)
+
+
+def test_print_of_traced_value_rejected():
+    def body(grad):
+        print(grad)
+
+    with pytest.raises(fh.CompileError, match="`print`.*host sync") as info:
+        fh.grad_hook(body)
+    assert str(info.value).count("cannot compile body") == 1, str(info.value)
+
+
+def test_print_of_plain_values_still_works(capsys):
+    def body(grad):
+        print("tracing")
+        return grad * 2
+
+    fh.grad_hook(body)
+    assert "tracing" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("builtin", [float, int])
+def test_python_number_conversion_rejected(builtin):
+    def body(grad):
+        return grad * builtin(grad)
+
+    # The message must name the builtin the user called (`float(...)`), not the supported `.float()` cast.
+    name = builtin.__name__
+    with pytest.raises(fh.CompileError, match="host sync") as info:
+        fh.grad_hook(body)
+    message = str(info.value)
+    assert f"`.{name}()`" not in message, message
+    assert f"`{name}()`" in message or f"{name}(grad)" in message, message
+
+
+@pytest.mark.parametrize("body, op", [
+    (lambda grad: torch.nn.functional.relu(grad), "relu"),
+    (lambda grad: torch.relu(grad), "relu"),
+    (lambda grad: grad.matmul(grad), "matmul"),
+    (lambda grad: grad @ grad, "matmul"),
+    (lambda grad: grad.sum(dim=0), "sum"),
+    (lambda grad: torch.sin(grad), "sin"),
+], ids=["F.relu", "torch.relu", "Tensor.matmul", "@", "sum(dim=0)", "sin"])
+def test_unsupported_op_named_with_pointer_to_supported_ops(body, op):
+    with pytest.raises(fh.CompileError, match=rf"{op}.*not supported.*supported_ops\(\)"):
+        fh.grad_hook(body)
+
+
+def test_indexing_rejected():
+    with pytest.raises(fh.CompileError, match="indexing.*elementwise"):
+        fh.grad_hook(lambda grad: grad[0])
+
+
+def test_shape_access_rejected():
+    with pytest.raises(fh.CompileError, match=r"`\.shape`"):
+        fh.grad_hook(lambda grad: grad * grad.shape[0])
+
+
+def test_rounding_division_rejected():
+    with pytest.raises(fh.CompileError, match="rounding_mode"):
+        fh.grad_hook(lambda grad: torch.div(grad, 2, rounding_mode="floor"))
+
+
+def test_tensor_exponent_rejected():
+    with pytest.raises(fh.CompileError, match="pow"):
+        fh.grad_hook(lambda grad: grad ** grad)
+
+
+def test_complex_literal_rejected():
+    with pytest.raises(fh.CompileError, match="complex") as info:
+        fh.grad_hook(lambda grad: grad * 1j)
+    assert "cannot compile <lambda>" in str(info.value), str(info.value)
+
+
+# --- decoration time: signature, options, closures, results -----------------------------------------
+
+@pytest.mark.parametrize("stats", ["bogus", ("norm", "l1")])
+def test_unknown_stat_name_rejected(stats):
+    bad = stats if isinstance(stats, str) else stats[1]
+    with pytest.raises(ValueError, match=rf"unknown statistic '{bad}' in stats=.*known: count"):
+        fh.grad_hook(stats=stats)
+
+
+def test_unknown_input_stat_name_rejected():
+    with pytest.raises(ValueError, match=r"unknown statistic 'bad' in input_stats="):
+        fh.grad_hook(lambda grad: grad, input_stats=("norm", "bad"))
+
+
+def test_stats_of_wrong_type_rejected_with_message_naming_stats():
+    with pytest.raises((TypeError, ValueError), match="stats"):
+        fh.grad_hook(stats=3)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "eager", ""])
+def test_bad_backend_rejected(backend):
+    expected = rf"backend must be 'auto', 'triton' or 'reference', not '{backend}'"
+    with pytest.raises(ValueError, match=expected):
+        fh.grad_hook(lambda grad: grad, backend=backend)
+
+
+def test_non_callable_rejected():
+    with pytest.raises(TypeError, match="grad_hook takes a function, not int"):
+        fh.grad_hook(42)
+
+
+def test_function_without_arguments_rejected():
+    def body():
+        return None
+
+    expected = r"`def body\(grad\)` or `def body\(grad, param\)`; got body\(\)"
+    with pytest.raises(fh.CompileError, match=expected):
+        fh.grad_hook(body)
+
+
+def test_function_with_three_arguments_rejected():
+    def body(grad, param, extra):
+        return grad
+
+    with pytest.raises(fh.CompileError, match=r"got body\(grad, param, extra\)"):
+        fh.grad_hook(body)
+
+
+def test_function_with_keyword_only_argument_rejected():
+    def body(grad, *, scale):
+        return grad * scale
+
+    with pytest.raises(fh.CompileError, match=r"optionally, the parameter"):
+        fh.grad_hook(body)
+
+
+def test_inplace_write_to_param_rejected():
+    def body(grad, param):
+        param.add_(1)
+
+    with pytest.raises(fh.CompileError, match="`add_` writes to the parameter.*read-only"):
+        fh.grad_hook(body)
+
+
+def test_inplace_write_to_closed_over_tensor_rejected():
+    scale = torch.tensor(2.0)
+
+    def body(grad):
+        scale.mul_(2)
+        return grad * scale
+
+    with pytest.raises(fh.CompileError, match="closed-over"):
+        fh.grad_hook(body)
+    assert scale.item() == 2.0  # decorating must not run the body's side effects on real tensors
+
+
+def test_closing_over_multi_element_tensor_rejected():
+    weights = torch.ones(3)
+
+    def body(grad):
+        return grad * weights
+
+    with pytest.raises(fh.CompileError, match=r"closes over a tensor of shape \(3,\).*0-dim"):
+        fh.grad_hook(body)
+
+
+def test_closing_over_complex_tensor_rejected():
+    scale = torch.tensor(1 + 1j)
+
+    def body(grad):
+        return grad * scale
+
+    with pytest.raises(fh.CompileError, match="complex64"):
+        fh.grad_hook(body)
+
+
+def test_returning_a_tuple_rejected():
+    def body(grad):
+        return grad, grad
+
+    with pytest.raises(fh.CompileError, match="returns a tuple.*one tensor"):
+        fh.grad_hook(body)
+
+
+@pytest.mark.parametrize("make, kind", [
+    (lambda grad: "x", "str"),
+    (lambda grad: [grad], "list"),
+    (lambda grad: {"grad": grad}, "dict"),
+    (lambda grad: torch.float32, "dtype"),
+], ids=["str", "list", "dict", "dtype"])
+def test_returning_a_non_tensor_rejected(make, kind):
+    with pytest.raises(fh.CompileError, match=rf"returns a \w*{kind}.*one tensor"):
+        fh.grad_hook(make)
+
+
+def test_calling_a_hook_with_a_non_tensor_rejected():
+    hook = fh.grad_hook(lambda grad: grad * 2)
+    with pytest.raises(TypeError, match="called with a parameter tensor.*not str"):
+        hook("weight")
+
+
+# --- registration ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def hook():
+    return fh.grad_hook(lambda grad: grad * 0.0, stats=("count",))
+
+
+def fires(hook, t) -> bool:
+    """Run a backward through `t` and report whether `hook` changed its gradient (it zeroes it)."""
+    t.grad = None
+    (t * 1.0).sum().backward()
+    return bool((t.grad == 0).all())
+
+
+def test_non_leaf_rejected(hook):
+    with pytest.raises(ValueError, match="not a leaf tensor"):
+        hook.register(leaf(3) * 2)
+
+
+def test_requires_grad_false_rejected(hook):
+    with pytest.raises(ValueError, match="doesn't require grad"):
+        hook.register(torch.randn(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.complex64])
+def test_non_float_dtype_rejected(hook, dtype):
+    t = torch.zeros(3, dtype=dtype)
+    if dtype.is_complex:
+        t.requires_grad_()
+    with pytest.raises(TypeError, match=rf"dtype {dtype} is not supported.*float32"):
+        hook.register(t)
+
+
+def test_sparse_tensor_rejected(hook):
+    t = torch.eye(3).to_sparse().requires_grad_()
+    with pytest.raises(TypeError, match="sparse_coo tensors are not supported.*dense"):
+        hook.register(t)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_csr_tensor_rejected(hook):
+    t = torch.eye(3).to_sparse_csr().requires_grad_()
+    with pytest.raises(TypeError, match="sparse_csr tensors are not supported"):
+        hook.register(t)
+
+
+def test_same_tensor_twice_rejected(hook):
+    t = leaf(3)
+    hook.register(t)
+    with pytest.raises(ValueError, match="already registered"):
+        hook.register(t)
+    assert fires(hook, t)
+    assert len(hook.stats.names) == 1
+
+
+def test_same_tensor_twice_message_names_its_registered_key(hook):
+    t = leaf(3)
+    hook.register(t, name="fc.weight")
+    with pytest.raises(ValueError, match=r"fc\.weight.*already registered"):
+        hook.register(t)
+
+
+def test_same_tensor_twice_in_one_call_rejected(hook):
+    t = leaf(3)
+    with pytest.raises(ValueError, match="already registered"):
+        hook.register([t, t])
+    assert not fires(hook, t)
+
+
+def test_duplicate_name_rejected(hook):
+    hook.register(leaf(3), name="w")
+    with pytest.raises(ValueError, match="named 'w' is already registered.*name="):
+        hook.register(leaf(3), name="w")
+
+
+def test_duplicate_name_in_one_call_registers_nothing(hook):
+    good, clash = leaf(3), leaf(3)
+    with pytest.raises(ValueError, match="'w' is already registered"):
+        hook.register([("w", good), ("w", clash)])
+    assert not fires(hook, good)
+    assert hook.stats.names == []
+
+
+def test_unnamed_tensor_after_user_named_param1_registers(hook):
+    # Automatic keys must not collide with a name the user chose.
+    hook.register(leaf(3), name="param1")
+    t = leaf(3)
+    hook.register(t)
+    assert fires(hook, t)
+    assert len(set(hook.stats.names)) == 2
+
+
+@pytest.mark.parametrize("target", [42, "weights", None, 1.5])
+def test_non_tensor_target_rejected(hook, target):
+    expected = rf"register\(\) takes a Tensor, an nn.Module.*not {type(target).__name__}"
+    with pytest.raises(TypeError, match=expected):
+        hook.register(target)
+
+
+def test_iterable_with_non_tensor_rejected_and_nothing_registered(hook):
+    good = leaf(3)
+    with pytest.raises(TypeError, match=r"Tensors or \(name, Tensor\) pairs; got int"):
+        hook.register([good, 3])
+    assert not fires(hook, good)
+    assert hook.stats.names == []
+
+
+def test_pair_with_non_tensor_rejected(hook):
+    with pytest.raises(TypeError, match="w: expected a Tensor, got int"):
+        hook.register([("w", 3)])
+
+
+def test_failed_register_leaves_nothing_registered(hook):
+    good, bad = leaf(3), torch.randn(3)
+    with pytest.raises(ValueError, match="param1: cannot register.*doesn't require grad"):
+        hook.register([good, bad])
+    assert not fires(hook, good)
+    assert hook.stats.names == [] and hook.stats.read() == {}
+    hook.register(good)  # and it can be registered afterwards
+    assert fires(hook, good)
+
+
+def test_result_not_broadcasting_to_grad_rejected_at_register():
+    s = torch.ones(1, 1, 1)
+
+    def body(grad):
+        return grad * s
+
+    hook = fh.grad_hook(body)  # fine at decoration: shape is only known at registration
+    p = leaf(3)
+    expected = r"shape \(1, 1, 3\).*does not broadcast.*param0 \(shape \(3,\)\)"
+    with pytest.raises(fh.CompileError, match=expected):
+        hook.register(p)
+    (p * 1.0).sum().backward()
+    assert torch.equal(p.grad, torch.ones(3))
+
+
+def test_result_not_broadcasting_in_list_registers_nothing():
+    s = torch.ones(1, 1, 1)
+
+    def body(grad):
+        return grad * s
+
+    hook = fh.grad_hook(body)
+    good, bad = leaf(2, 2, 2), leaf(3)
+    with pytest.raises(fh.CompileError, match="does not broadcast"):
+        hook.register([good, bad])
+    (good * 3.0).sum().backward()
+    assert torch.equal(good.grad, torch.full((2, 2, 2), 3.0))

@@ -1,0 +1,285 @@
+"""Every supported op, compiled, against eager torch on the same gradient: bit-identical results.
+
+Ops that torch's CPU kernels do not round correctly (sqrt and rsqrt go through Sleef; exp, log and
+pow through their math libraries) are compared within a stated ulp bound (the kernel's sqrt is
+correctly rounded, as CUDA torch's is); everything else must be identical, NaN/Inf included.
+"""
+
+import pytest
+import torch
+
+import fusedhooks as fh
+from helpers import FLOAT_DTYPES, assert_same_values
+
+SCALE = torch.tensor(0.37)
+LO = torch.tensor(-0.75)
+FLAG = torch.tensor(True)
+
+
+def special_values(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """n values: normal * 3, with 0, -0.0, NaN, +-Inf, huge and tiny values mixed in (deterministic)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=gen) * 3).to(dtype)
+    specials = [0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1.0, -1.0, 0.5,
+                torch.finfo(dtype).max / 2, torch.finfo(dtype).tiny, 1e-3, -2.5]
+    for i, v in enumerate(specials[: n]):
+        x[(i * 7919) % n] = v
+    return x
+
+
+# name -> (body, ulps allowed). Bodies are plain torch: the test runs them eagerly as the oracle.
+def clamp_inplace(grad):
+    grad.clamp_(-0.5, 0.5)
+
+
+def clip_alias(grad):
+    return torch.clip(grad, min=-1.0)
+
+
+def scale_chain(grad):
+    return (grad * 0.1 + 3) / 7 - 1.5
+
+
+def reflected(grad):
+    return 1 - 2 / grad
+
+
+def augmented(grad):
+    grad *= 0.5
+    grad += 1
+    grad -= 0.25
+    grad /= 3
+
+
+def program_order(grad):
+    grad.clamp_(-1, 1)
+    grad.mul_(grad)        # later reads see the clamped value
+    return grad + 0.125
+
+
+def unary(grad):
+    return torch.neg(grad).abs() + grad.sign() + torch.square(grad)
+
+
+def sqrt(grad):
+    return grad.abs().sqrt()
+
+
+def reciprocal(grad):
+    return grad.reciprocal()
+
+
+def rsqrt(grad):
+    return torch.rsqrt(grad.abs() + 1)
+
+
+def exp(grad):
+    return torch.exp(grad.clamp(max=20))
+
+
+def log(grad):
+    return torch.log(grad.abs() + 1e-3)
+
+
+def pow_2(grad):
+    return grad ** 2
+
+
+def pow_3(grad):
+    return grad.pow(3)
+
+
+def pow_minus_1(grad):
+    return torch.pow(grad, -1)
+
+
+def pow_minus_2(grad):
+    return grad ** -2
+
+
+def pow_half(grad):
+    return grad ** 0.5
+
+
+def pow_minus_half(grad):
+    return grad ** -0.5
+
+
+def pow_0(grad):
+    return grad ** 0
+
+
+def general_pow(grad):
+    return grad.abs() ** 1.7
+
+
+def general_pow_odd(grad):
+    return grad.pow(-3)
+
+
+def minmax(grad):
+    return torch.minimum(torch.maximum(grad, grad * 0.5), grad + 1)
+
+
+def where_compare(grad):
+    return torch.where((grad > 0) & (grad <= 2) | (grad == -1), grad, 0.0)
+
+
+def logical(grad):
+    keep = torch.logical_and(grad >= -1, torch.logical_not(grad > 1)) ^ (grad != grad)
+    return torch.where(torch.logical_or(keep, grad < -5), grad, -grad)
+
+
+def special_tests(grad):
+    return torch.where(torch.isfinite(grad), grad, 0.0) + grad.isnan() * 2 + torch.isinf(grad) * 3
+
+
+def nan_to_num_default(grad):
+    return torch.nan_to_num(grad)
+
+
+def nan_to_num_values(grad):
+    grad.nan_to_num_(nan=0.0, posinf=1.0, neginf=-1.0)
+
+
+def constructors(grad):
+    return torch.zeros_like(grad) + torch.ones_like(grad) * 0.5 + torch.full_like(grad, 0.1) * grad
+
+
+def fill_inplace(grad):
+    grad.fill_(0.3)
+
+
+def zero_inplace(grad):
+    grad.zero_()
+
+
+def copy_inplace(grad):
+    grad.copy_(grad * 2 + 1)
+
+
+def device_scalars(grad):
+    return torch.clamp(grad, min=LO, max=1.5) * SCALE
+
+
+def bool_scalar(grad):
+    return torch.where(FLAG, grad * 2, grad)
+
+
+def fp32_intermediates(grad):
+    return (grad.float() * 0.1 + 3).double() / 3
+
+
+def int_mask_arith(grad):
+    return grad * ((grad > 0) * 2)
+
+
+def add_alpha(grad):
+    return torch.add(grad, grad * 0.5, alpha=2) - torch.sub(grad, 1.0, alpha=3)
+
+
+def return_constant(grad):
+    return 0.25
+
+
+def uses_param(grad, param):
+    return grad + 0.01 * param
+
+
+def param_only(grad, param):
+    return param
+
+
+BODIES = {
+    "clamp_inplace": (clamp_inplace, 0), "clip_alias": (clip_alias, 0), "scale_chain": (scale_chain, 0),
+    "reflected": (reflected, 0), "augmented": (augmented, 0), "program_order": (program_order, 0),
+    "unary": (unary, 0), "sqrt": (sqrt, 1), "reciprocal": (reciprocal, 0), "rsqrt": (rsqrt, 2),
+    "exp": (exp, 2), "log": (log, 2), "pow_2": (pow_2, 0), "pow_3": (pow_3, 0),
+    "pow_minus_1": (pow_minus_1, 0), "pow_minus_2": (pow_minus_2, 0), "pow_half": (pow_half, 1),
+    "pow_minus_half": (pow_minus_half, 2), "pow_0": (pow_0, 0),
+    "general_pow": (general_pow, "pow"), "general_pow_odd": (general_pow_odd, "pow"), "minmax": (minmax, 0), "where_compare": (where_compare, 0),
+    "logical": (logical, 0), "special_tests": (special_tests, 0), "nan_to_num_default": (nan_to_num_default, 0),
+    "nan_to_num_values": (nan_to_num_values, 0), "constructors": (constructors, 0),
+    "fill_inplace": (fill_inplace, 0), "zero_inplace": (zero_inplace, 0), "copy_inplace": (copy_inplace, 0),
+    "device_scalars": (device_scalars, 0), "bool_scalar": (bool_scalar, 0),
+    "fp32_intermediates": (fp32_intermediates, 0), "int_mask_arith": (int_mask_arith, 0),
+    "add_alpha": (add_alpha, 1), "return_constant": (return_constant, 0),
+    "uses_param": (uses_param, 0), "param_only": (param_only, 0),
+}
+
+
+#: ulps for pow with a non-special exponent: torch's CPU pow is off by up to ~5 fp32 ulps (measured
+#: against float64), and the kernel's fp64 pow (exp2/log2 in fp64, no libdevice in the interpreter) by ~10.
+POW_ULPS = {torch.float32: 8, torch.float16: 1, torch.bfloat16: 1, torch.float64: 64}
+
+
+def eager_expected(fn, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """What eager torch leaves in .grad: the body on a copy, its returned value copied in."""
+    g = grad.clone()
+    with torch.no_grad():
+        out = fn(g, param) if fn.__code__.co_argcount == 2 else fn(g)
+    if out is not None:
+        g.copy_(out)
+    return g
+
+
+def fire(hook, grad: torch.Tensor, param_values: torch.Tensor | None = None) -> torch.Tensor:
+    """Fire `hook` on a parameter whose .grad is `grad` (the same storage); returns the parameter."""
+    p = (param_values if param_values is not None else torch.zeros_like(grad)).clone().requires_grad_(True)
+    p.grad = grad
+    hook(p)
+    return p
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("name", list(BODIES))
+def test_op_matches_eager(name, dtype, backend):
+    fn, ulps = BODIES[name]
+    ulps = POW_ULPS[dtype] if ulps == "pow" else ulps
+    grad = special_values(257, dtype)
+    param = special_values(257, dtype, seed=1)
+    expected = eager_expected(fn, grad, param)
+    hook = fh.grad_hook(fn, backend=backend)
+    ptr = grad.data_ptr()
+    fire(hook, grad, param)
+    assert grad.data_ptr() == ptr
+    assert_same_values(grad, expected, ulps=ulps)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 127, 128, 129, 1021, 4096, 4099])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_sizes_and_blocks(n, dtype, backend, monkeypatch):
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")  # several programs, a partial last block
+    grad = special_values(n, dtype, seed=n)
+    expected = eager_expected(scale_chain, grad, grad)
+    fire(fh.grad_hook(scale_chain, backend=backend), grad)
+    assert_same_values(grad, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_chain_rounds_each_op_like_eager(dtype, backend):
+    """Eager torch rounds every fp16/bf16 intermediate; a kernel that kept fp32 would differ here."""
+    def chain(grad):
+        return ((grad * 1.01 + 0.003) * 0.99 - 0.001) / 1.007
+    grad = (torch.linspace(-4, 4, 4099)).to(dtype)
+    expected = eager_expected(chain, grad, grad)
+    kept_fp32 = (((grad.float() * 1.01 + 0.003) * 0.99 - 0.001) / 1.007).to(dtype)
+    assert not torch.equal(expected, kept_fp32), "the chain must be sensitive to intermediate rounding"
+    fire(fh.grad_hook(chain, backend=backend), grad)
+    assert_same_values(grad, expected)
+
+
+def _store_fp32_scalar(s: torch.Tensor):
+    def body(grad):
+        return grad.float() * 0.0 + s      # an fp32 result, rounded to bf16 only by the store
+    return body
+
+
+def test_bf16_store_rounds_to_nearest_even(backend):
+    """fp32 -> bf16 on the store: ties to even and overflow to Inf exactly as torch (not truncation)."""
+    values = [1.00390625, 1.01171875, 3.3895e38, -3.3895e38, 1.0 + 2 ** -9, 2.0 ** -133, float("nan")]
+    for v in values:
+        s = torch.tensor(v, dtype=torch.float32)
+        g = torch.zeros(1, dtype=torch.bfloat16)
+        fire(fh.grad_hook(_store_fp32_scalar(s), backend=backend), g)
+        assert_same_values(g, s.reshape(1).to(torch.bfloat16))

@@ -1,0 +1,120 @@
+"""Statistics recorded by the kernel against a float64 torch reference (tolerances of DESIGN.md)."""
+
+import pytest
+import torch
+
+import fusedhooks as fh
+from fusedhooks import STAT_NAMES
+from helpers import FLOAT_DTYPES, check_stats
+from test_ops import fire, special_values
+
+SIZES = [1, 2, 3, 97, 127, 128, 129, 256, 1021, 4099]
+
+
+def clip_scale(grad):
+    return grad.clamp(-2.0, 2.0) * 0.5
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_all_stats_match_float64_reference(n, dtype, backend, monkeypatch):
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")  # several programs merge their partials
+    grad = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3 + 0.5).to(dtype)
+    before = grad.clone()
+    hook = fh.grad_hook(clip_scale, stats="all", input_stats="all", backend=backend)
+    fire(hook, grad)
+    got = hook.stats.read()["param0"]
+    check_stats(got, grad, STAT_NAMES)
+    check_stats(got, before, STAT_NAMES, prefix="input.")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("specials", ["nan", "posinf", "neginf", "both_inf", "all"])
+def test_nan_inf_follow_torch(specials, dtype, backend, monkeypatch):
+    """NaN anywhere makes sum/mean/norm/var/std/min/max/absmax NaN; +Inf and -Inf together make sum NaN."""
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")
+    grad = special_values(1000, dtype)
+    grad[torch.isnan(grad) | torch.isinf(grad)] = 1.0
+    if specials in ("nan", "all"):
+        grad[[5, 600]] = float("nan")
+    if specials in ("posinf", "both_inf", "all"):
+        grad[[7, 300]] = float("inf")
+    if specials in ("neginf", "both_inf", "all"):
+        grad[999] = float("-inf")
+    hook = fh.grad_hook(stats="all", backend=backend)
+    fire(hook, grad)
+    check_stats(hook.stats.read()["param0"], grad, STAT_NAMES)
+
+
+def test_statistics_only_hook_reads_once_and_leaves_grad(backend):
+    grad = special_values(4099, torch.bfloat16)
+    before = grad.clone()
+    hook = fh.grad_hook(stats=("norm", "nan", "inf", "absmax"), backend=backend)
+    assert hook.plan(numel=4099, dtype=torch.bfloat16).writes == 0
+    fire(hook, grad)
+    assert torch.equal(grad.view(torch.int16), before.view(torch.int16))
+    check_stats(hook.stats.read()["param0"], grad, ("norm", "nan", "inf", "absmax"))
+
+
+def test_std_with_large_mean_is_stable(backend, monkeypatch):
+    """|mean|/std = 1e3: a sumsq/n - mean^2 formula loses every digit here; Chan's merge keeps 1e-3."""
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", "1024")
+    x = torch.randn(200_003, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    grad = (1000.0 + (x - x.mean()) / x.std()).to(torch.float32)
+    hook = fh.grad_hook(stats=("mean", "var", "std"), backend=backend)
+    fire(hook, grad)
+    got = hook.stats.read()["param0"]
+    ref = grad.double()
+    assert abs(got["std"] - ref.std().item()) <= 1e-3 * ref.std().item()
+    assert abs(got["var"] - ref.var().item()) <= 2e-3 * ref.var().item()
+    assert abs(got["mean"] - ref.mean().item()) <= 1e-5 * ref.abs().mean().item()
+
+
+def test_million_elements_fp32(backend):
+    """~1e6 elements at the interpreter's default block size: the merge covers dozens of programs."""
+    grad = torch.randn(1_000_003, generator=torch.Generator().manual_seed(7)) * 1e-3
+    before = grad.clone()
+    hook = fh.grad_hook(clip_scale, stats="all", input_stats=("norm", "sum"), backend=backend)
+    fire(hook, grad)
+    got = hook.stats.read()["param0"]
+    check_stats(got, grad, STAT_NAMES)
+    check_stats(got, before, ("norm", "sum"), prefix="input.")
+
+
+def test_empty_gradient_records_torch_values(backend):
+    grad = torch.empty(0)
+    hook = fh.grad_hook(clip_scale, stats="all", backend=backend)
+    assert hook.plan(numel=0).launches == 0
+    fire(hook, grad)
+    got = hook.stats.read()["param0"]
+    assert got["count"] == 0 and got["sum"] == 0.0 and got["norm"] == 0.0 and got["nan"] == 0
+    for name in ("mean", "var", "std", "min", "max", "absmax"):
+        assert got[name] != got[name], name
+
+
+def test_single_element_var_is_nan_like_torch(backend):
+    grad = torch.tensor([3.0])
+    hook = fh.grad_hook(stats=("var", "std", "mean"), backend=backend)
+    fire(hook, grad)
+    got = hook.stats.read()["param0"]
+    assert got["mean"] == 3.0 and got["var"] != got["var"] and got["std"] != got["std"]
+
+
+def test_each_firing_overwrites_the_row(backend):
+    hook = fh.grad_hook(stats=("max",), backend=backend)
+    p = torch.zeros(5, requires_grad=True)
+    p.grad = torch.full((5,), 4.0)
+    hook(p)
+    p.grad = torch.full((5,), -1.0)
+    hook(p)
+    assert hook.stats.read()["param0"]["max"] == -1.0
+
+
+def test_statistics_are_deterministic(monkeypatch):
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", "256")
+    values = []
+    for _ in range(2):
+        hook = fh.grad_hook(stats=("sum", "var"))
+        fire(hook, torch.randn(5000, generator=torch.Generator().manual_seed(1)))
+        values.append(hook.stats.read()["param0"])
+    assert values[0] == values[1]
