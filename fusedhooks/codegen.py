@@ -277,7 +277,7 @@ def generate(plan: Plan, device_type: str) -> str:
     g = plan.graph
     em = _Emitter(plan, device_type)
     ct = compute_type(g.grad_dtype)
-    args = ["    grad_ptr,  # *{0}: the gradient's storage span, updated in place".format(g.grad_dtype)]
+    args = [f"    grad_ptr,  # *{g.grad_dtype}: the gradient's storage span, updated in place"]
     if g.uses_param:
         args.append(f"    param_ptr,  # *{g.grad_dtype}: the parameter, same layout as grad")
     for i, dt in enumerate(g.scalar_dtypes):

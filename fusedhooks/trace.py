@@ -173,7 +173,7 @@ def trace(fn) -> TracedBody:
 
     scalars, scalar_of = [], {}
     for node in graph.nodes:
-        if node.op == "get_attr":
+        if node.op == "get_attr" and node.target not in scalar_of:
             t = getattr(tracer.root, node.target)
             _check_closed_tensor(name, t)
             scalar_of[node.target] = len(scalars)

@@ -17,7 +17,8 @@ def assert_same_values(actual: torch.Tensor, expected: torch.Tensor, ulps: int =
     if ulps == 0:
         bad = a != e
     else:
-        spacing = torch.finfo(expected.dtype).eps * torch.maximum(e.abs(), torch.tensor(torch.finfo(expected.dtype).tiny))
+        info = torch.finfo(expected.dtype)
+        spacing = info.eps * torch.maximum(e.abs(), torch.tensor(info.tiny))
         bad = ~((a == e) | ((a - e).abs() <= ulps * spacing))
     assert not bad.any(), (f"{int(bad.sum())} of {a.numel()} values differ; first: actual "
                            f"{a[bad][:5].tolist()} expected {e[bad][:5].tolist()}")

@@ -4,9 +4,10 @@ import math
 
 import pytest
 import torch
-from helpers import assert_same_values, check_stats
 
 import fusedhooks as fh
+
+from helpers import assert_same_values, check_stats
 
 COUNTS = ("count", "nan", "inf", "zeros")
 

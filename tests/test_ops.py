@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fusedhooks as fh
+
 from helpers import FLOAT_DTYPES, assert_same_values
 
 SCALE = torch.tensor(0.37)
@@ -197,7 +198,8 @@ BODIES = {
     "exp": (exp, 2), "log": (log, 2), "pow_2": (pow_2, 0), "pow_3": (pow_3, 0),
     "pow_minus_1": (pow_minus_1, 0), "pow_minus_2": (pow_minus_2, 0), "pow_half": (pow_half, 1),
     "pow_minus_half": (pow_minus_half, 2), "pow_0": (pow_0, 0),
-    "general_pow": (general_pow, "pow"), "general_pow_odd": (general_pow_odd, "pow"), "minmax": (minmax, 0), "where_compare": (where_compare, 0),
+    "general_pow": (general_pow, "pow"), "general_pow_odd": (general_pow_odd, "pow"),
+    "minmax": (minmax, 0), "where_compare": (where_compare, 0),
     "logical": (logical, 0), "special_tests": (special_tests, 0), "nan_to_num_default": (nan_to_num_default, 0),
     "nan_to_num_values": (nan_to_num_values, 0), "constructors": (constructors, 0),
     "fill_inplace": (fill_inplace, 0), "zero_inplace": (zero_inplace, 0), "copy_inplace": (copy_inplace, 0),

@@ -5,6 +5,7 @@ import torch
 
 import fusedhooks as fh
 from fusedhooks import STAT_NAMES
+
 from helpers import FLOAT_DTYPES, check_stats
 from test_ops import fire, special_values
 
