@@ -11,7 +11,7 @@ import torch
 
 from . import codegen, runtime
 from .ir import STAT_NAMES, Graph
-from .plan import Plan, make_plan
+from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
 
@@ -29,12 +29,23 @@ def _parse_stats(option, what: str) -> tuple[str, ...]:
     if not all(isinstance(n, str) for n in names):
         raise TypeError(f"{what}= takes statistic names (strings); got {option!r}")
     if "all" in names:
-        names = STAT_NAMES
-    unknown = [n for n in names if n not in STAT_NAMES]
+        names = STAT_NAMES + tuple(n for n in names if n == "hist")
+    unknown = [n for n in names if n not in STAT_NAMES + ("hist",)]
     if unknown:
-        raise ValueError(f"unknown statistic {unknown[0]!r} in {what}=; known: {', '.join(STAT_NAMES)} or 'all'")
-    order = {name: i for i, name in enumerate(STAT_NAMES)}
+        raise ValueError(f"unknown statistic {unknown[0]!r} in {what}=; known: {', '.join(STAT_NAMES)}, hist, "
+                         "or 'all' (every one but hist)")
+    order = {name: i for i, name in enumerate(STAT_NAMES + ("hist",))}
     return tuple(sorted(set(names), key=order.get))  # the stats row layout follows STAT_NAMES
+
+
+def _parse_hist_range(hist_range) -> tuple[int, int]:
+    if hist_range is None:
+        return DEFAULT_HIST_RANGE
+    lo, hi = hist_range
+    if not (isinstance(lo, int) and isinstance(hi, int) and -126 <= lo < hi <= 128):
+        raise ValueError(f"hist_range=(lo, hi) takes integer exponents with -126 <= lo < hi <= 128 "
+                         f"(bins of floor(log2|g|)); got {hist_range!r}")
+    return lo, hi
 
 
 @dataclass
@@ -61,18 +72,28 @@ class GradHook:
     as a decorator: called with a function it returns a new hook with the same options.
     """
 
-    def __init__(self, fn=None, *, stats=(), input_stats=(), backend: str | None = None):
+    def __init__(self, fn=None, *, stats=(), input_stats=(), backend: str | None = None,
+                 scaler=None, optimizer=None, hist_range: tuple[int, int] | None = None):
         self.fn = fn
         self.stat_names = _parse_stats(stats, "stats")
         self.input_stat_names = _parse_stats(input_stats, "input_stats")
         if backend not in (None, "auto", "triton", "reference"):
             raise ValueError(f"backend must be 'auto', 'triton' or 'reference', not {backend!r}")
         self.backend = backend
+        self.hist_range = _parse_hist_range(hist_range)
+        if (scaler is None) != (optimizer is None):
+            raise ValueError("scaler= and optimizer= go together: the hook unscales the gradients for that "
+                             "optimizer's step (scaler.step(optimizer) then neither unscales again nor steps "
+                             "on NaN/Inf)")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler= takes a torch.amp.GradScaler, not {type(scaler).__name__}")
+        self.scaler, self.optimizer = scaler, optimizer
+        self._found_inf: dict[torch.device, torch.Tensor] = {}
         if fn is not None and not callable(fn):
             raise TypeError(f"grad_hook takes a function, not {type(fn).__name__}")
         self._body: TracedBody = trace(fn if fn is not None else _identity)
         lower(self._body, torch.float32)  # every "cannot compile" error surfaces now, at decoration
-        self.stats = HookStats(self.stat_names, self.input_stat_names)
+        self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
         self._graphs: dict[torch.dtype, Graph] = {}
         self._compiled: dict[tuple, _Compiled] = {}
         self._entries: dict[int, _Entry] = {}
@@ -89,7 +110,8 @@ class GradHook:
             self._fire(arg)
             return None
         if self.fn is None and callable(arg):
-            return GradHook(arg, stats=self.stat_names, input_stats=self.input_stat_names, backend=self.backend)
+            return GradHook(arg, stats=self.stat_names, input_stats=self.input_stat_names, backend=self.backend,
+                            scaler=self.scaler, optimizer=self.optimizer, hist_range=self.hist_range)
         raise TypeError(f"a compiled hook is called with a parameter tensor (as torch does), not "
                         f"{type(arg).__name__}")
 
@@ -107,8 +129,45 @@ class GradHook:
             self._check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
         stats_row = self.stats.row(entry.row) if compiled.plan.slots else None
+        amp = self._amp_tensors(grad.device) if compiled.plan.amp else None
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
-                     self._workspace(grad.device))
+                     self._workspace(grad.device), amp)
+
+    def _amp_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, found_inf) for this iteration; marks the optimizer as unscaled in the scaler's books,
+        as scaler.unscale_(optimizer) would, so that scaler.step() neither unscales again nor steps on
+        NaN/Inf, and scaler.update() backs off as usual. Host bookkeeping only: no sync."""
+        from torch.amp.grad_scaler import OptState
+
+        scaler = self.scaler
+        state = scaler._per_optimizer_states[id(self.optimizer)]
+        if state["stage"] is OptState.READY:
+            if scaler._scale is None:
+                raise RuntimeError("the GradScaler has no scale yet: call scaler.scale(loss) before backward")
+            self._check_covers_optimizer()
+            state["stage"] = OptState.UNSCALED
+            state["fusedhooks"] = True
+        elif state["stage"] is OptState.STEPPED or not state.get("fusedhooks"):
+            raise RuntimeError("a hook with scaler= unscales the gradients itself: do not call "
+                               "scaler.unscale_(optimizer), and call scaler.update() after scaler.step()")
+        found = state["found_inf_per_device"].get(device)
+        if found is None:
+            found = self._found_inf.get(device)
+            if found is None:
+                found = self._found_inf[device] = torch.zeros(1, dtype=torch.float32, device=device)
+            else:
+                found.zero_()
+            state["found_inf_per_device"][device] = found
+        return scaler._scale, found
+
+    def _check_covers_optimizer(self) -> None:
+        registered = {id(e.ref()) for e in self._entries.values() if e.ref() is not None}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in registered:
+                    raise RuntimeError("with scaler=, the hook unscales for the whole optimizer: register it on "
+                                       "every parameter the optimizer steps (a parameter of shape "
+                                       f"{tuple(p.shape)} is not registered)")
 
     # --- compiling --------------------------------------------------------------------------------
 
@@ -125,7 +184,8 @@ class GradHook:
                 raise ValueError(f"{self.__name__}: closed-over tensor {i} is on {s.device} but the gradient is on "
                                  f"{device}; move it to {device} (the kernel reads it there, with no copy)")
         backend = runtime.choose_backend(device, self.backend)
-        plan = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, backend=backend)
+        plan = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, backend=backend,
+                         amp=self._amp, hist_range=self.hist_range)
         kernel = codegen.load(codegen.generate(plan, device.type)) if backend == "triton" else None
         compiled = _Compiled(plan, kernel)
         self._compiled[(dtype, device)] = compiled
@@ -227,14 +287,19 @@ class GradHook:
         """The kernel plan for a gradient of `numel` elements and `dtype` (device: default CUDA if present)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         backend = runtime.choose_backend(device, self.backend)
-        p = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, numel, backend)
-        if numel and backend == "triton":
-            p.block, p.grid = runtime.launch_config(numel, device.type)
-        return p
+        block = runtime.launch_config(numel, device.type)[0] if numel else None
+        return make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, numel, backend,
+                         amp=self._amp, hist_range=self.hist_range, block=block)
 
     def source(self, dtype: torch.dtype = torch.float32, device_type: str = "cuda") -> str:
         """The generated Triton source for gradients of `dtype`."""
-        return codegen.generate(make_plan(self._graph(dtype), self.stat_names, self.input_stat_names), device_type)
+        plan = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, amp=self._amp,
+                         hist_range=self.hist_range)
+        return codegen.generate(plan, device_type)
+
+    @property
+    def _amp(self) -> bool:
+        return self.scaler is not None and self.scaler.is_enabled()
 
     def __repr__(self) -> str:
         return (f"<fusedhooks.GradHook {self.__name__} stats={list(self.stat_names)} "
@@ -290,11 +355,16 @@ class RegistrationHandle:
         return len(self._items)
 
 
-def grad_hook(fn=None, *, stats=(), input_stats=(), backend: str | None = None) -> GradHook:
+def grad_hook(fn=None, *, stats=(), input_stats=(), backend: str | None = None, scaler=None, optimizer=None,
+              hist_range: tuple[int, int] | None = None) -> GradHook:
     """Compile `fn(grad[, param])` into a fused in-place gradient hook.
 
     Use bare (`@fh.grad_hook`), with options (`@fh.grad_hook(stats=("norm",))`), or without a function
-    for a statistics-only hook. stats / input_stats: statistic names or "all", measured after / before
-    the body. backend: "auto" (default), "triton" or "reference" (see README, environment variables).
+    for a statistics-only hook. stats / input_stats: statistic names, "hist", or "all", measured after /
+    before the body. backend: "auto" (default), "triton" or "reference" (see README, environment variables).
+    scaler, optimizer: a torch.amp.GradScaler and the optimizer it steps: the body sees the unscaled
+    gradient and the scaler's books are kept (see README, AMP). hist_range: (lo, hi) exponents of the
+    "hist" bins, default (-40, 8).
     """
-    return GradHook(fn, stats=stats, input_stats=input_stats, backend=backend)
+    return GradHook(fn, stats=stats, input_stats=input_stats, backend=backend, scaler=scaler,
+                    optimizer=optimizer, hist_range=hist_range)

@@ -13,12 +13,13 @@ import math
 import os
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .ir import STAT_NAMES, Node
-from .plan import Plan, partial_flags
+from .ir import STAT_NAMES, Graph, Node, is_reduction, reduction_spec
+from .plan import PARTIAL_FLAGS, Plan, partial_flags
 
 KERNEL_NAME = "fused_hook"
 
@@ -212,10 +213,10 @@ class _Emitter:
         odd = is_int and int(e) % 2 == 1
         return f"pow_scalar({x}, {e!r}, {is_int}, {odd})"
 
-    def emit_body(self) -> None:
-        """Emit a line for every live node the result depends on."""
-        for n in self.graph.live_nodes():
-            if n.kind == "const":
+    def emit_nodes(self, nodes: list[Node]) -> None:
+        """Emit a line for each node not emitted yet (reductions must already have a name)."""
+        for n in nodes:
+            if n.kind == "const" or n.index in self.names:
                 continue
             name = n.name
             if n.kind == "grad":
@@ -272,84 +273,319 @@ def _fill_value(value, ct: str) -> str:
     return repr(v) if math.isfinite(v) else f'float("{v}")'
 
 
-def generate(plan: Plan, device_type: str) -> str:
-    """Triton source of the fused kernel for `plan` (device_type: "cuda" or "cpu", the interpreter)."""
-    g = plan.graph
-    em = _Emitter(plan, device_type)
-    ct = compute_type(g.grad_dtype)
-    args = [f"    grad_ptr,  # *{g.grad_dtype}: the gradient's storage span, updated in place"]
-    if g.uses_param:
-        args.append(f"    param_ptr,  # *{g.grad_dtype}: the parameter, same layout as grad")
-    for i, dt in enumerate(g.scalar_dtypes):
-        args.append(f"    scalar{i}_ptr,  # *{dt}: closed-over tensor {i}, read at every run")
-    sets = plan.stat_sets
-    if sets:
-        args += [
-            f"    stats_ptr,  # *fp64 [{len(plan.slots)}]: this parameter's statistics row",
-            f"    partials_ptr,  # *fp64 [num_programs, {len(sets)}, 8]: per-program partial statistics",
-            "    counter_ptr,  # *int32 [1]: programs finished; the last one merges and resets it to 0",
-        ]
-    args += ["    numel,  # elements in the span", "    BLOCK: tl.constexpr,  # elements per program",
-             "    RBLOCK: tl.constexpr,  # partial rows merged at a time"]
-    body = [
-        "pid = tl.program_id(0).to(tl.int64)",
-        "offs = pid * BLOCK + tl.arange(0, BLOCK)",
-        "mask = offs < numel",
-        f"grad = tl.load(grad_ptr + offs, mask=mask, other=0).to({ct})",
-    ]
-    if g.uses_param:
-        body.append(f"param = tl.load(param_ptr + offs, mask=mask, other=0).to({ct})")
-    em.emit_body()
-    body += em.lines
-    out_value = "grad"
-    if g.writes:
-        r = g.result
-        expr = em.value(r, ct) if r.kind != "const" else literal(r.value, ct)
-        if not r.full:
-            expr = f"({expr}) + tl.zeros([BLOCK], {ct})"
-        if g.grad_dtype in _ROUND and r.dtype != g.grad_dtype:
-            expr = f"{_ROUND[g.grad_dtype]}({expr})"
-        body.append(f"out = {expr}")
-        store = "to_bf16(out)" if g.grad_dtype == torch.bfloat16 else f"out.to({_storage_type(g.grad_dtype)})"
-        body.append(f"tl.store(grad_ptr + offs, {store}, mask=mask)")
-        out_value = "out"
-    if sets:
-        body.append("n_valid = tl.minimum(numel - pid * BLOCK, BLOCK)")
-        for k, (kind, names) in enumerate(sets):
-            flags = ", ".join(f"{f}={v}" for f, v in partial_flags(names).items())
-            x = out_value if kind == "output" else "grad"
-            body.append(f"store_partials({x}, mask, n_valid, partials_ptr + (pid * {len(sets)} + {k}) * 8, {flags})")
-        body += [
-            "tl.debug_barrier()",
+@dataclass
+class _ReductionSet:
+    """Partials of one value over the gradient and what is done with the merged result.
+
+    x: the value (a float expression); flags: kernels.stats flags; correction: for var/std;
+    uses: (stat name, action) pairs, action a format string taking the merged value `{}`.
+    """
+
+    x: str
+    flags: dict
+    correction: float = 1.0
+    uses: list = field(default_factory=list)
+
+
+class _KernelWriter:
+    """Writes the kernels of one plan; they share one signature (see `signature`)."""
+
+    def __init__(self, plan: Plan, device_type: str):
+        self.plan = plan
+        self.g = plan.graph
+        self.device_type = device_type
+        self.ct = compute_type(self.g.grad_dtype)
+        self.reductions = self.g.reductions()
+        self.reduction_slot = {n.index: k for k, n in enumerate(self.reductions)}
+        self.hist_sets = [kind for kind, names in plan.stat_sets if "hist" in names]
+
+    # --- signature -----------------------------------------------------------------------------
+
+    def signature(self) -> list[str]:
+        p, g = self.plan, self.g
+        args = [f"grad_ptr,  # *{g.grad_dtype}: the gradient's storage span, updated in place"]
+        if g.uses_param:
+            args.append(f"param_ptr,  # *{g.grad_dtype}: the parameter, same layout as grad")
+        args += [f"scalar{i}_ptr,  # *{dt}: closed-over tensor {i}, read at every run"
+                 for i, dt in enumerate(g.scalar_dtypes)]
+        if p.amp:
+            args += ["scale_ptr,  # *fp32 [1]: GradScaler's scale; the body sees grad / scale",
+                     "found_inf_ptr,  # *fp32 [1]: set to 1.0 when the scaled gradient has a NaN/Inf"]
+        if self.reductions:
+            args.append(f"reduced_ptr,  # *fp64 [{len(self.reductions)}]: results of the body's reductions")
+        if p.slots:
+            args.append(f"stats_ptr,  # *fp64 [{len(p.slots)}]: this parameter's statistics row")
+        if self.reductions or p.slots:
+            args += ["partials_ptr,  # *fp64 [num_programs, sets, 8]: per-program partial statistics",
+                     "counter_ptr,  # *int32 [1]: programs finished; the last one merges and resets it to 0"]
+        if self.hist_sets:
+            args.append(f"hist_ptr,  # *int32 [{len(self.hist_sets)}, HIST_PAD]: histogram accumulators, "
+                        "zeroed by the last program")
+        args += ["numel,  # elements in the span", "BLOCK: tl.constexpr,  # elements per program",
+                 "RBLOCK: tl.constexpr,  # partial rows merged at a time"]
+        return args
+
+    # --- pieces --------------------------------------------------------------------------------
+
+    def prologue(self) -> list[str]:
+        ct, g = self.ct, self.g
+        lines = ["pid = tl.program_id(0).to(tl.int64)", "offs = pid * BLOCK + tl.arange(0, BLOCK)",
+                 "mask = offs < numel", f"grad = tl.load(grad_ptr + offs, mask=mask, other=0).to({ct})"]
+        if self.plan.amp:
+            # as torch._amp_foreach_non_finite_check_and_unscale_: grad * fp32(1 / fp64(scale))
+            inv = f"(1.0 / tl.load(scale_ptr).to(tl.float64)).to({'tl.float32' if ct == 'tl.float32' else ct})"
+            lines += ["scaled = grad", f"inv_scale = {inv}",
+                      f"grad = {_rounded_expr('scaled * inv_scale', g.grad_dtype)}"]
+        if g.uses_param:
+            lines.append(f"param = tl.load(param_ptr + offs, mask=mask, other=0).to({ct})")
+        return lines
+
+    def emitter(self, available: dict[int, str]) -> _Emitter:
+        em = _Emitter(self.plan, self.device_type)
+        em.names.update(available)
+        return em
+
+    def set_value(self, em: _Emitter, node: Node, of_abs: bool) -> str:
+        x = em.names[node.index] if node.kind != "const" else literal(node.value, "tl.float32")
+        src = compute_type(node.dtype) if node.kind != "const" else "tl.float32"
+        if src not in _FLOAT_CT:
+            x = f"{x}.to(tl.float32)"
+        return f"tl.abs({x})" if of_abs else x
+
+    def reduction_sets(self, em: _Emitter, level: int, action) -> list[_ReductionSet]:
+        """Sets for the reductions of `level`; action(node) gives the format string applied to each result."""
+        sets: dict[tuple, _ReductionSet] = {}
+        for n in self.reductions:
+            if self.g.depth(n) != level:
+                continue
+            spec = reduction_spec(n)
+            key = (n.args["input"].index, spec.of_abs, spec.correction)
+            if key not in sets:
+                sets[key] = _ReductionSet(self.set_value(em, n.args["input"], spec.of_abs), {}, spec.correction)
+            st = sets[key]
+            names = [spec.stat] + (["count"] if spec.test == "any" else [])
+            for flag, on in partial_flags(tuple(names)).items():
+                st.flags[flag] = st.flags.get(flag, False) or on
+            st.uses.append((spec, n, action(n)))
+        return list(sets.values())
+
+    def stat_sets(self, out_value: str) -> list[_ReductionSet]:
+        sets, slot = [], 0
+        for kind, names in self.plan.stat_sets:
+            scalars = tuple(name for name in names if name != "hist")
+            if scalars:
+                rs = _ReductionSet(out_value if kind == "output" else "grad", partial_flags(scalars))
+                for name in scalars:
+                    rs.uses.append((name, None, f"tl.store(stats_ptr + {slot}, {{}})  # {kind} {name}"))
+                    slot += 1
+                sets.append(rs)
+            if "hist" in names:
+                slot += self.plan.hist_bins
+        return sets
+
+    def merge_lines(self, sets: list[_ReductionSet], num_blocks: str) -> list[str]:
+        lines = []
+        for k, rs in enumerate(sets):
+            flags = ", ".join(f"{f}={rs.flags.get(f, False)}" for f in PARTIAL_FLAGS)
+            lines.append(f"st = finalize_stats(partials_ptr, {k}, {len(sets)}, numel, {num_blocks}, BLOCK, RBLOCK, "
+                         f"{rs.correction!r}, {flags})")
+            for spec, _node, action in rs.uses:
+                lines.append(action.format(_merged(spec)))
+        return lines
+
+    def partial_lines(self, sets: list[_ReductionSet]) -> list[str]:
+        lines = []
+        for k, rs in enumerate(sets):
+            flags = ", ".join(f"{f}={rs.flags.get(f, False)}" for f in PARTIAL_FLAGS)
+            lines.append(f"store_partials({rs.x}, mask, n_valid, partials_ptr + (pid * {len(sets)} + {k}) * 8, "
+                         f"{flags})")
+        return lines
+
+    def hist_lines(self, out_value: str) -> tuple[list[str], list[str]]:
+        """(accumulate lines, flush lines for the last program)."""
+        acc, flush, slot = [], [], 0
+        lo, bins = self.plan.hist_range[0] if self.plan.hist_range else 0, self.plan.hist_bins
+        for kind, names in self.plan.stat_sets:
+            scalars = [n for n in names if n != "hist"]
+            slot += len(scalars)
+            if "hist" in names:
+                h = self.hist_sets.index(kind)
+                x = out_value if kind == "output" else "grad"
+                acc.append(f"hist_accumulate({x}, mask, hist_ptr + {h} * HIST_PAD, {lo}, {bins}, HIST_PAD)")
+                flush.append(f"hist_flush(hist_ptr + {h} * HIST_PAD, stats_ptr + {slot}, {bins}, HIST_PAD)"
+                             f"  # {kind} hist")
+                slot += bins
+        return acc, flush
+
+    # --- kernels -------------------------------------------------------------------------------
+
+    def final_body(self, em: _Emitter, single: bool) -> list[str]:
+        """The elementwise pass: body, store, found_inf, statistics (merged by the last program)."""
+        g, ct, lines = self.g, self.ct, []
+        em.emit_nodes(self.g.live_nodes())
+        lines += em.lines
+        out_value = "grad"
+        if g.writes or self.plan.amp:
+            r = g.result
+            expr = em.value(r, ct) if r.kind != "const" else literal(r.value, ct)
+            if not r.full:
+                expr = f"({expr}) + tl.zeros([BLOCK], {ct})"
+            if g.grad_dtype in _ROUND and r.dtype != g.grad_dtype:
+                expr = f"{_ROUND[g.grad_dtype]}({expr})"
+            lines.append(f"out = {expr}")
+            store = "to_bf16(out)" if g.grad_dtype == torch.bfloat16 else f"out.to({_storage_type(g.grad_dtype)})"
+            lines.append(f"tl.store(grad_ptr + offs, {store}, mask=mask)")
+            out_value = "out"
+        if self.plan.amp:
+            lines += ['bad = tl.sum((mask & ~(tl.abs(scaled) < float("inf"))).to(tl.int32), axis=0)',
+                      "if bad > 0:", "    tl.store(found_inf_ptr, 1.0)"]
+        sets = self.stat_sets(out_value)
+        hist_acc, hist_flush = self.hist_lines(out_value)
+        if not sets and not hist_acc:
+            return lines
+        lines.append("n_valid = tl.minimum(numel - pid * BLOCK, BLOCK)")
+        if single:
+            lines.append("tl.debug_barrier()")
+        lines += self.partial_lines(sets) + hist_acc
+        merge = self.merge_lines(sets, "1" if single else "tl.num_programs(0)") + hist_flush
+        if single:
+            return lines + ["tl.debug_barrier()"] + merge
+        return lines + _last_program(merge)
+
+    def simple_kernel(self) -> list[str]:
+        em = self.emitter({})
+        return _kernel(KERNEL_NAME, self.signature(), self.prologue() + self.final_body(em, single=False),
+                       "the body, its store and the statistics, in one pass")
+
+    def reduce_kernel(self, level: int) -> list[str]:
+        available = {n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions if self.g.depth(n) < level}
+        em = self.emitter(available)
+        loads = [f"r{self.reduction_slot[i]} = {_from_reduced(n, f'tl.load(reduced_ptr + {self.reduction_slot[i]})')}"
+                 for i, n in ((n.index, n) for n in self.reductions if self.g.depth(n) < level)]
+        targets = [n.args["input"] for n in self.reductions if self.g.depth(n) == level]
+        em.emit_nodes(_cone(self.g, targets))
+        sets = self.reduction_sets(em, level, lambda n: f"tl.store(reduced_ptr + {self.reduction_slot[n.index]}, "
+                                                       f"({{}}).to(tl.float64))  # {n.name}")
+        body = self.prologue() + loads + em.lines + ["n_valid = tl.minimum(numel - pid * BLOCK, BLOCK)"]
+        body += self.partial_lines(sets) + _last_program(self.merge_lines(sets, "tl.num_programs(0)"))
+        return _kernel(f"reduce_level{level}", self.signature(), body,
+                       f"reduction pass {level}: leaves its results in reduced_ptr")
+
+    def final_kernel(self) -> list[str]:
+        em = self.emitter({n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions})
+        loads = [f"r{k} = {_from_reduced(n, f'tl.load(reduced_ptr + {k})')}" for k, n in enumerate(self.reductions)]
+        return _kernel(KERNEL_NAME, self.signature(), self.prologue() + loads + self.final_body(em, single=False),
+                       "the elementwise pass, reading the reductions' results")
+
+    def single_kernel(self) -> list[str]:
+        """Every pass in one program: the gradient is read from memory once."""
+        em = self.emitter({})
+        body = self.prologue() + ["n_valid = tl.minimum(numel - pid * BLOCK, BLOCK)"]
+        for level in range(1, self.plan.levels + 1):
+            targets = [n.args["input"] for n in self.reductions if self.g.depth(n) == level]
+            em.emit_nodes(_cone(self.g, targets))
+            body += em.lines
+            em.lines = []
+            sets = self.reduction_sets(em, level, lambda n: f"r{self.reduction_slot[n.index]} = "
+                                                           f"{_from_merged(n, '{}')}")
+            body += ["tl.debug_barrier()"] + self.partial_lines(sets) + ["tl.debug_barrier()"]
+            body += self.merge_lines(sets, "1")
+            for n in self.reductions:
+                if self.g.depth(n) == level:
+                    em.names[n.index] = f"r{self.reduction_slot[n.index]}"
+        body += self.final_body(em, single=True)
+        return _kernel(f"{KERNEL_NAME}_single", self.signature(), body,
+                       "all passes in one program (the gradient fits one block)")
+
+
+def _cone(g: Graph, roots: list[Node]) -> list[Node]:
+    """Nodes the roots depend on, stopping at reductions (their results are inputs), in program order."""
+    seen, stack = set(), list(roots)
+    while stack:
+        n = stack.pop()
+        if n.index in seen:
+            continue
+        seen.add(n.index)
+        if not (n.kind == "op" and is_reduction(n.op, n.args)) or n in roots:
+            stack.extend(n.inputs())
+    return [n for n in g.nodes if n.index in seen]
+
+
+def _merged(spec) -> str:
+    """The fp64 (or bool) result of a reduction / statistic from the merged tuple `st`."""
+    if isinstance(spec, str):
+        return f"st[{_STAT_INDEX[spec]}]"
+    if spec.test == "all":
+        return f"st[{_STAT_INDEX['zeros']}] == 0"
+    if spec.test == "any":
+        return f"st[{_STAT_INDEX['zeros']}] < st[{_STAT_INDEX['count']}]"
+    return f"st[{_STAT_INDEX[spec.stat]}]"
+
+
+def _from_merged(node: Node, value: str) -> str:
+    """A merged reduction result (fp64 or bool) as a value of `node`'s dtype."""
+    ct = compute_type(node.dtype)
+    if ct == "tl.int1":
+        return f"({value})"
+    return _rounded_expr(f"({value}).to({ct})", node.dtype)
+
+
+def _from_reduced(node: Node, loaded: str) -> str:
+    """A reduction result stored as fp64 in reduced_ptr, as a value of `node`'s dtype."""
+    if compute_type(node.dtype) == "tl.int1":
+        return f"({loaded} != 0)"
+    return _from_merged(node, loaded)
+
+
+def _rounded_expr(expr: str, dtype: torch.dtype) -> str:
+    return f"{_ROUND[dtype]}({expr})" if dtype in _ROUND else expr
+
+
+def _last_program(lines: list[str]) -> list[str]:
+    return ["tl.debug_barrier()",
             "done = tl.atomic_add(counter_ptr, 1)  # acq_rel: the partials above are visible to the last program",
-            "if done == tl.num_programs(0) - 1:",
-            "    tl.debug_barrier()",
-        ]
-        slot = 0
-        for k, (kind, names) in enumerate(sets):
-            flags = ", ".join(f"{f}={v}" for f, v in partial_flags(names).items())
-            body.append(f"    st{k} = finalize_stats(partials_ptr, {k}, {len(sets)}, numel, tl.num_programs(0), "
-                        f"BLOCK, RBLOCK, {flags})")
-            for name in names:
-                body.append(f"    tl.store(stats_ptr + {slot}, st{k}[{_STAT_INDEX[name]}])  # {kind} {name}")
-                slot += 1
-        body.append("    tl.store(counter_ptr, 0)")
+            "if done == tl.num_programs(0) - 1:", "    tl.debug_barrier()"] + \
+           ["    " + line for line in lines] + ["    tl.store(counter_ptr, 0)"]
+
+
+def _kernel(name: str, args: list[str], body: list[str], doc: str) -> list[str]:
+    return (["", "", "@triton.jit", f"def {name}("] + ["    " + a for a in args] + ["):", f'    """{doc}"""']
+            + ["    " + line for line in body])
+
+
+def generate(plan: Plan, device_type: str) -> str:
+    """Triton source of the kernels for `plan` (device_type: "cuda", or "cpu" for the interpreter).
+
+    Without reductions in the body: one kernel, `fused_hook`. With them: `fused_hook_single` (all
+    passes in one program, for gradients that fit one block), `reduce_level1..L` and `fused_hook`.
+    """
+    w = _KernelWriter(plan, device_type)
     header = [
-        f"# Generated by fusedhooks for: {plan.graph.grad_dtype}, device {device_type}. Do not edit.",
+        f"# Generated by fusedhooks for {plan.graph.grad_dtype} gradients on {device_type}. Do not edit.",
         "import triton",
         "import triton.language as tl",
         "",
         "from fusedhooks.kernels.elementwise import pow_scalar, round_to_bf16, round_to_fp16, to_bf16",
-        "from fusedhooks.kernels.stats import finalize_stats, store_partials",
+        "from fusedhooks.kernels.stats import finalize_stats, hist_accumulate, hist_flush, store_partials",
+        "",
+        f"HIST_PAD = tl.constexpr({_hist_pad(plan.hist_bins)})",
         "",
         "# body:",
         *("#   " + line for line in str(plan.graph).splitlines()),
-        "",
-        "",
-        "@triton.jit",
-        f"def {KERNEL_NAME}(",
     ]
-    return "\n".join(header + args + ["):"] + ["    " + line for line in body]) + "\n"
+    if plan.levels == 0:
+        kernels = w.simple_kernel()
+    else:
+        kernels = w.single_kernel()
+        for level in range(1, plan.levels + 1):
+            kernels += w.reduce_kernel(level)
+        kernels += w.final_kernel()
+    return "\n".join(header + kernels) + "\n"
+
+
+def _hist_pad(bins: int) -> int:
+    """Histogram slots per set: a power of two above `bins` (the extra slots take masked lanes)."""
+    return 1 << bins.bit_length() if bins else 1
 
 
 _STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}  # finalize_stats returns them in this order
@@ -373,7 +609,8 @@ _loaded: dict[str, object] = {}
 
 
 def load(source: str):
-    """The @triton.jit kernel defined by `source`, written once to the cache directory by content hash."""
+    """The module of @triton.jit kernels defined by `source`, written once to the cache directory by
+    content hash."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:24]
     if digest in _loaded:
         return _loaded[digest]
@@ -390,6 +627,5 @@ def load(source: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
-    kernel = getattr(module, KERNEL_NAME)
-    _loaded[digest] = kernel
-    return kernel
+    _loaded[digest] = module
+    return module

@@ -9,6 +9,7 @@ Dtypes follow torch's type promotion, computed by running each op on meta tensor
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import operator
 from dataclasses import dataclass, field
@@ -80,13 +81,80 @@ SIGNATURES: dict[str, str] = {
     "zero": "input",
     "copy": "input, src",
     "to": "input, dtype",
+    # whole-tensor reductions (a 0-dim result, broadcast over the gradient where used)
+    "sum": "input",
+    "mean": "input",
+    "norm": "input, p='fro'",
+    "vector_norm": "input, ord=2",
+    "var": "input, unbiased=None, *, correction=None",
+    "std": "input, unbiased=None, *, correction=None",
+    "amax": "input",
+    "amin": "input",
+    "max": "input, other=None",
+    "min": "input, other=None",
+    "all": "input",
+    "any": "input",
 }
+
+#: ops that reduce the whole tensor (max/min only in their one-argument form)
+REDUCTIONS = frozenset({"sum", "mean", "norm", "vector_norm", "var", "std", "amax", "amin", "max", "min",
+                        "all", "any"})
+
+
+def is_reduction(op: str, args: dict) -> bool:
+    return op in REDUCTIONS and not (op in ("max", "min") and args.get("other") is not None)
+
+
+@dataclass(frozen=True)
+class ReductionSpec:
+    """How a reduction node is computed from block partials (see kernels/stats.py).
+
+    stat: the statistic of `abs(x)` if `of_abs` else of `x` (a STAT_NAMES entry);
+    correction: for var/std; test: "all"/"any" turn the zero count into a bool, None keeps the value.
+    """
+
+    stat: str
+    of_abs: bool = False
+    correction: float = 1.0
+    test: str | None = None
+
+
+def reduction_spec(node: Node) -> ReductionSpec:
+    op, a = node.op, node.args
+    if op in ("sum", "mean"):
+        return ReductionSpec(op)
+    if op in ("norm", "vector_norm"):
+        p = a.get("p", a.get("ord"))
+        if p in ("fro", 2, 2.0):
+            return ReductionSpec("norm")
+        if p in (1, 1.0):
+            return ReductionSpec("sum", of_abs=True)
+        if p == math.inf:
+            return ReductionSpec("absmax")
+        if p == -math.inf:
+            return ReductionSpec("min", of_abs=True)
+        raise ValueError(f"{op} of order {p!r} is not supported (orders 1, 2, inf, -inf)")
+    if op in ("var", "std"):
+        correction = a["correction"]
+        if correction is None:
+            correction = 0.0 if a["unbiased"] is False else 1.0
+        return ReductionSpec(op, correction=float(correction))
+    if op in ("amax", "max"):
+        return ReductionSpec("max")
+    if op in ("amin", "min"):
+        return ReductionSpec("min")
+    if op in ("all", "any"):
+        return ReductionSpec("zeros", test=op)
+    raise KeyError(op)
 
 #: Arguments that must be Python numbers (compile-time constants), not tensors.
 NUMBER_ARGS = {
     "add": ("alpha",), "sub": ("alpha",), "pow": ("exponent",),
     "nan_to_num": ("nan", "posinf", "neginf"), "full_like": ("fill_value",), "fill": ("value",),
 }
+#: Arguments that are Python options (numbers, strings, bools), kept as they are.
+OPTION_ARGS = {"norm": ("p",), "vector_norm": ("ord",), "var": ("unbiased", "correction"),
+               "std": ("unbiased", "correction")}
 #: Arguments that are dtypes.
 DTYPE_ARGS = {"zeros_like": ("dtype",), "ones_like": ("dtype",), "full_like": ("dtype",), "to": ("dtype",)}
 
@@ -127,6 +195,10 @@ _OPERATOR_OPS = {
 def eager(op: str, a: dict):
     """Run `op` with bound arguments `a` as eager torch (on real or meta tensors), out of place."""
     x = a.get("input")
+    if is_reduction(op, a):
+        return _eager_reduction(op, a, x)
+    if op in ("max", "min"):
+        return torch.maximum(x, a["other"]) if op == "max" else torch.minimum(x, a["other"])
     if op in _OPERATOR_OPS and a.get("alpha", 1) == 1 and a.get("rounding_mode") is None:
         return _OPERATOR_OPS[op](x, a["other"])
     if op in ("add", "sub"):
@@ -164,6 +236,19 @@ def eager(op: str, a: dict):
         return x.to(a["dtype"])
     if "other" in a:
         return getattr(torch, op)(x, a["other"])
+    return getattr(torch, op)(x)
+
+
+def _eager_reduction(op: str, a: dict, x):
+    if op == "norm":
+        return torch.norm(x, a["p"])
+    if op == "vector_norm":
+        return torch.linalg.vector_norm(x, a["ord"])
+    if op in ("var", "std"):
+        fn = getattr(torch, op)
+        if a["correction"] is not None:
+            return fn(x, correction=a["correction"])
+        return fn(x) if a["unbiased"] is None else fn(x, a["unbiased"])
     return getattr(torch, op)(x)
 
 
@@ -239,6 +324,18 @@ class Graph:
     def writes(self) -> bool:
         """False when the body leaves the gradient as it is (statistics only)."""
         return self.result.kind != "grad"
+
+    def reductions(self) -> list[Node]:
+        """The live whole-tensor reductions, in program order."""
+        return [n for n in self.live_nodes() if n.kind == "op" and is_reduction(n.op, n.args)]
+
+    def depth(self, node: Node) -> int:
+        """Reduction passes needed before `node` is known: 0 for elementwise values of the inputs."""
+        memo: dict[int, int] = self.__dict__.setdefault("_depth", {})
+        if node.index not in memo:
+            below = max((self.depth(i) for i in node.inputs()), default=0)
+            memo[node.index] = below + (1 if node.kind == "op" and is_reduction(node.op, node.args) else 0)
+        return memo[node.index]
 
     def live_nodes(self) -> list[Node]:
         """Nodes the result depends on, in program order."""

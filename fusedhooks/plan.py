@@ -12,9 +12,11 @@ from .ir import Graph
 _NEEDS = {
     "count": (), "sum": ("SUM",), "mean": ("SUM",), "sumsq": ("SUMSQ",), "norm": ("SUMSQ",),
     "var": ("SUM", "M2"), "std": ("SUM", "M2"), "min": ("MINMAX", "COUNTS"), "max": ("MINMAX", "COUNTS"),
-    "absmax": ("MINMAX", "COUNTS"), "nan": ("COUNTS",), "inf": ("COUNTS",), "zeros": ("COUNTS",),
+    "absmax": ("MINMAX", "COUNTS"), "nan": ("COUNTS",), "inf": ("COUNTS",), "zeros": ("COUNTS",), "hist": (),
 }
 PARTIAL_FLAGS = ("SUM", "M2", "SUMSQ", "MINMAX", "COUNTS")
+#: Default histogram range: exponents floor(log2|g|) from -40 up to 8 (48 bins).
+DEFAULT_HIST_RANGE = (-40, 8)
 
 
 def partial_flags(names: tuple[str, ...]) -> dict[str, bool]:
@@ -27,8 +29,10 @@ def partial_flags(names: tuple[str, ...]) -> dict[str, bool]:
 class Plan:
     """How one firing processes one gradient.
 
-    graph: the lowered body; stats / input_stats: statistics on the gradient after / before the body;
-    slots: the stats row layout, ("output" | "input", name) per slot.
+    graph: the lowered body; stats / input_stats: statistics on the gradient after / before the body
+    (STAT_NAMES order, "hist" last); hist_range: (lo, hi) exponents of the histogram bins;
+    amp: the gradient is unscaled by a GradScaler's scale first (and checked for NaN/Inf).
+    levels: reduction passes the body needs before its elementwise pass (0: none).
     passes: reads of the gradient; writes: writes of it; launches: kernel launches per firing;
     bytes_per_element: bytes moved per gradient element (gradient reads + writes + parameter reads).
     numel: the gradient's number of elements (None: any); block, grid: the launch, filled by the runtime.
@@ -41,14 +45,25 @@ class Plan:
     backend: str = "triton"
     block: int | None = None
     grid: int | None = None
+    amp: bool = False
+    hist_range: tuple[int, int] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         return self.graph.grad_dtype
 
     @property
+    def hist_bins(self) -> int:
+        return 0 if self.hist_range is None else self.hist_range[1] - self.hist_range[0]
+
+    @property
     def slots(self) -> list[tuple[str, str]]:
-        return [("output", s) for s in self.stats] + [("input", s) for s in self.input_stats]
+        """The stats row layout: ("output" | "input", name) per slot; "hist" takes hist_bins slots."""
+        out = []
+        for kind, names in self.stat_sets:
+            for name in names:
+                out += [(kind, name)] * (self.hist_bins if name == "hist" else 1)
+        return out
 
     @property
     def stat_sets(self) -> list[tuple[str, tuple[str, ...]]]:
@@ -56,16 +71,27 @@ class Plan:
         return [(kind, names) for kind, names in (("output", self.stats), ("input", self.input_stats)) if names]
 
     @property
+    def levels(self) -> int:
+        return max((self.graph.depth(n) for n in self.graph.reductions()), default=0)
+
+    @property
     def empty(self) -> bool:
         return self.numel == 0
 
     @property
-    def passes(self) -> int:
-        return 0 if self.empty or not (self.graph.writes or self.slots) else 1
+    def single_program(self) -> bool:
+        """The gradient fits one program: every pass happens in one launch, reading memory once."""
+        return self.grid == 1
 
     @property
     def writes(self) -> int:
-        return 0 if self.empty or not self.graph.writes else 1
+        return 0 if self.empty or not (self.graph.writes or self.amp) else 1
+
+    @property
+    def passes(self) -> int:
+        if self.empty or not (self.writes or self.slots):
+            return 0
+        return 1 if self.levels == 0 or self.single_program else self.levels + 1
 
     @property
     def launches(self) -> int:
@@ -73,7 +99,7 @@ class Plan:
 
     @property
     def bytes_per_element(self) -> int:
-        param_reads = 1 if self.graph.uses_param and self.passes else 0
+        param_reads = self.passes if self.graph.uses_param else 0
         return self.dtype.itemsize * (self.passes + self.writes + param_reads)
 
     def __str__(self) -> str:
@@ -83,20 +109,36 @@ class Plan:
             f"  passes={self.passes} (reads of the gradient)  writes={self.writes}  launches={self.launches}  "
             f"bytes/element={self.bytes_per_element}",
         ]
+        if self.levels:
+            how = ("in one program" if self.single_program else
+                   f"{self.levels} reduction pass(es) leave scalars on the device, then the elementwise pass")
+            lines.append(f"  body reductions: {len(self.graph.reductions())}, {how}")
         if self.block is not None:
             merged = ", statistics merged by the last program (no host sync)" if self.slots else ""
             lines.append(f"  launch: grid={self.grid} programs x BLOCK={self.block}{merged}")
+        if self.amp:
+            lines.append("  AMP: grad * (1 / scale) first; NaN/Inf of the scaled gradient sets found_inf")
         lines.append(f"  stats (after the body): {', '.join(self.stats) or '-'}")
         lines.append(f"  input_stats (as accumulated): {', '.join(self.input_stats) or '-'}")
+        if self.hist_range:
+            lines.append(f"  hist: {self.hist_bins} bins of floor(log2|g|) from {self.hist_range[0]} "
+                         f"to {self.hist_range[1]}")
         lines.append("  body:")
         lines.extend("    " + line for line in str(self.graph).splitlines())
         return "\n".join(lines)
 
 
 def make_plan(graph: Graph, stats: tuple[str, ...], input_stats: tuple[str, ...], numel: int | None = None,
-              backend: str = "triton") -> Plan:
-    """One pass: the body, the input statistics and the output statistics all read the gradient once.
+              backend: str = "triton", *, amp: bool = False, hist_range: tuple[int, int] | None = None,
+              block: int | None = None) -> Plan:
+    """Schedule `graph`: the body, the input statistics and the output statistics share passes.
 
-    stats / input_stats: names in STAT_NAMES order (the stats row layout).
+    stats / input_stats: names in STAT_NAMES order (the stats row layout), "hist" last.
+    block: elements per program (from the runtime), which decides whether one program suffices.
     """
-    return Plan(graph, tuple(stats), tuple(input_stats), numel, backend)
+    wants_hist = "hist" in stats or "hist" in input_stats
+    plan = Plan(graph, tuple(stats), tuple(input_stats), numel, backend, amp=amp,
+                hist_range=(hist_range or DEFAULT_HIST_RANGE) if wants_hist else None)
+    if numel and block:
+        plan.block, plan.grid = block, -(-numel // block)
+    return plan

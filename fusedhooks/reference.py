@@ -68,12 +68,37 @@ def tensor_stats(x: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor]:
     return [one(name) for name in names]
 
 
+def histogram(x: torch.Tensor, hist_range: tuple[int, int]) -> torch.Tensor:
+    """Counts (float64 [hi - lo]) of floor(log2|x|) in bins lo .. hi-1: zeros and smaller values in the
+    first bin, larger values and +-Inf in the last, NaN in none."""
+    lo, hi = hist_range
+    x = x.detach().reshape(-1).to(torch.float64)
+    x = x[~torch.isnan(x)]
+    _, exponent = torch.frexp(x.abs())            # |x| = m * 2**e, 0.5 <= m < 1: floor(log2|x|) = e - 1
+    bins = (exponent.to(torch.int64) - 1 - lo).clamp(0, hi - lo - 1)
+    bins = torch.where(torch.isinf(x), hi - lo - 1, torch.where(x == 0, 0, bins))
+    return torch.bincount(bins, minlength=hi - lo).to(torch.float64)
+
+
+def _stats_values(x: torch.Tensor, names: tuple[str, ...], hist_range) -> list[torch.Tensor]:
+    scalars = tensor_stats(x, tuple(n for n in names if n != "hist"))
+    if "hist" in names:
+        scalars += list(histogram(x, hist_range))
+    return scalars
+
+
 def run(plan: Plan, grad: torch.Tensor, param: torch.Tensor | None, scalars: list[torch.Tensor],
-        stats_row: torch.Tensor | None) -> None:
-    """Apply `plan` to `grad` in place with eager torch ops and write the statistics into `stats_row`."""
-    values = tensor_stats(grad, plan.input_stats) if plan.input_stats else []
+        stats_row: torch.Tensor | None, amp: tuple | None = None) -> None:
+    """Apply `plan` to `grad` in place with eager torch ops and write the statistics into `stats_row`.
+
+    amp: (scale, found_inf): unscale first, exactly as GradScaler.unscale_ does.
+    """
+    if plan.amp:
+        scale, found_inf = amp
+        torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf, scale.double().reciprocal().float())
+    values = _stats_values(grad, plan.input_stats, plan.hist_range) if plan.input_stats else []
     if plan.graph.writes:
         grad.copy_(evaluate(plan.graph, grad, param, scalars))
-    values = (tensor_stats(grad, plan.stats) if plan.stats else []) + values
+    values = (_stats_values(grad, plan.stats, plan.hist_range) if plan.stats else []) + values
     if values and stats_row is not None:
         stats_row.copy_(torch.stack(values))

@@ -66,29 +66,57 @@ def flat_span(t: torch.Tensor) -> torch.Tensor | None:
 
 
 class Workspace:
-    """Per-device scratch of a hook: partial statistics and the programs-finished counter (reused)."""
+    """Per-device scratch of a hook, reused by every firing (stream-ordered, so no clashes):
+    partial statistics, the programs-finished counter, body reduction results, histogram accumulators."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.partials = torch.empty(0, dtype=torch.float64, device=device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self.reduced = torch.empty(0, dtype=torch.float64, device=device)
+        self.hist = torch.zeros(0, dtype=torch.int32, device=device)
 
     def partials_for(self, rows: int) -> torch.Tensor:
         if self.partials.numel() < rows * 8:
             self.partials = torch.empty(rows * 8, dtype=torch.float64, device=self.device)
         return self.partials
 
+    def reduced_for(self, n: int) -> torch.Tensor:
+        if self.reduced.numel() < n:
+            self.reduced = torch.empty(n, dtype=torch.float64, device=self.device)
+        return self.reduced
 
-def fire(plan: Plan, kernel, grad: torch.Tensor, param: torch.Tensor, scalars: list[torch.Tensor],
-         stats_row: torch.Tensor | None, workspace: Workspace) -> None:
+    def hist_for(self, n: int) -> torch.Tensor:
+        if self.hist.numel() < n:
+            self.hist = torch.zeros(n, dtype=torch.int32, device=self.device)  # the kernels leave it zeroed
+        return self.hist
+
+
+def launch(kernel, grid: tuple, *args, **meta) -> None:
+    """Every kernel launch of fusedhooks goes through here (tests count launches by wrapping it)."""
+    kernel[grid](*args, **meta)
+
+
+def kernels_for(plan: Plan, module, grid: int) -> list:
+    """The kernels of `module` (generated for `plan`) to launch, in order, on a grid of `grid` programs."""
+    if plan.levels == 0:
+        return [module.fused_hook]
+    if grid == 1:
+        return [module.fused_hook_single]
+    return [getattr(module, f"reduce_level{level}") for level in range(1, plan.levels + 1)] + [module.fused_hook]
+
+
+def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: list[torch.Tensor],
+         stats_row: torch.Tensor | None, workspace: Workspace, amp: tuple | None = None) -> None:
     """Apply `plan` to `grad` in place and record its statistics into `stats_row`; no host sync.
 
-    An empty gradient launches no kernel: its statistics (count 0, sum 0, mean NaN, ...) are written
-    by the reference backend.
+    module: the generated kernels (None for the reference backend); amp: (scale, found_inf) tensors
+    when the hook unscales for a GradScaler. An empty gradient launches no kernel: its statistics
+    (count 0, sum 0, mean NaN, ...) are written by the reference backend.
     """
     numel = grad.numel()
     if plan.backend == "reference" or numel == 0:
-        reference.run(plan, grad, param, scalars, stats_row)
+        reference.run(plan, grad, param, scalars, stats_row, amp)
         return
     uses_param = plan.graph.uses_param
     span = flat_span(grad)
@@ -103,11 +131,21 @@ def fire(plan: Plan, kernel, grad: torch.Tensor, param: torch.Tensor, scalars: l
     if uses_param:
         args.append(pspan)
     args.extend(scalars)
+    if plan.amp:
+        args.extend(amp)
+    n_reductions = len(plan.graph.reductions())
+    if n_reductions:
+        args.append(workspace.reduced_for(n_reductions))
     if plan.slots:
-        args += [stats_row, workspace.partials_for(grid * len(plan.stat_sets)), workspace.counter]
+        args.append(stats_row)
+    if n_reductions or plan.slots:
+        args += [workspace.partials_for(grid * max(2, n_reductions)), workspace.counter]
+    if plan.hist_range:
+        args.append(workspace.hist_for(2 * (1 << plan.hist_bins.bit_length())))
     options = {"enable_fp_fusion": False}
     if grad.device.type == "cuda":
         options["num_warps"] = 8 if block >= 2048 else 4
-    kernel[(grid,)](*args, numel, BLOCK=block, RBLOCK=RBLOCK, **options)
-    if plan.graph.writes and work is not span and work.data_ptr() != grad.data_ptr():
+    for kernel in kernels_for(plan, module, grid):
+        launch(kernel, (grid,), *args, numel, BLOCK=block, RBLOCK=RBLOCK, **options)
+    if (plan.graph.writes or plan.amp) and work is not span and work.data_ptr() != grad.data_ptr():
         grad.copy_(work.view(grad.shape))

@@ -17,8 +17,14 @@ class HookStats:
     at each firing of its parameter; rows that have not fired hold NaN and are left out of `read()`.
     """
 
-    def __init__(self, stats: tuple[str, ...], input_stats: tuple[str, ...]):
-        self.slot_names = tuple(stats) + tuple(f"input.{s}" for s in input_stats)
+    def __init__(self, stats: tuple[str, ...], input_stats: tuple[str, ...], hist_range: tuple[int, int]):
+        self.hist_range = hist_range
+        bins = hist_range[1] - hist_range[0]
+        slots = []
+        for prefix, names in (("", stats), ("input.", input_stats)):
+            for name in names:
+                slots += [prefix + name] * (bins if name == "hist" else 1)
+        self.slot_names = tuple(slots)
         self.names: list[str] = []
         self._fired: list[bool] = []
         self._buffer: torch.Tensor | None = None
@@ -61,9 +67,32 @@ class HookStats:
         out = {}
         for name, fired, row in zip(self.names, self._fired, values):
             if fired:
-                out[name] = {s: (int(v) if s.removeprefix("input.") in COUNT_STATS and not math.isnan(v) else v)
-                             for s, v in zip(self.slot_names, row)}
+                entry = {}
+                for s, v in zip(self.slot_names, row):
+                    if s.endswith("hist"):
+                        entry.setdefault(s, []).append(int(v))
+                    else:
+                        entry[s] = int(v) if s.removeprefix("input.") in COUNT_STATS and not math.isnan(v) else v
+                out[name] = entry
         return out
+
+    def histogram(self, name: str, input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counts, edges) of parameter `name`'s "hist" (of the input gradient if `input`); one sync.
+
+        counts: int64 [bins]; edges: float64 [bins + 1], powers of two. Bin k holds elements with
+        edges[k] <= |g| < edges[k+1]; the first bin also holds zeros and smaller values, the last larger
+        values and +-Inf; NaN is only counted by "nan".
+        """
+        key = "input.hist" if input else "hist"
+        if key not in self.slot_names:
+            raise KeyError(f"this hook does not record {key!r}: add 'hist' to {'input_stats' if input else 'stats'}=")
+        if name not in self.names:
+            raise KeyError(f"no parameter named {name!r}; registered: {self.names}")
+        row = self.names.index(name)
+        columns = [i for i, s in enumerate(self.slot_names) if s == key]
+        counts = self._buffer[row, columns[0]:columns[-1] + 1].cpu().to(torch.int64)
+        lo, hi = self.hist_range
+        return counts, 2.0 ** torch.arange(lo, hi + 1, dtype=torch.float64)
 
     def reset(self) -> None:
         """Forget every recorded value (no sync)."""

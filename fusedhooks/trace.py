@@ -13,7 +13,21 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from .ir import DTYPE_ARGS, FLOAT_DTYPES, NUMBER_ARGS, SIGNATURES, Graph, Node, bind, eager, is_number
+from .ir import (
+    DTYPE_ARGS,
+    FLOAT_DTYPES,
+    NUMBER_ARGS,
+    OPTION_ARGS,
+    REDUCTIONS,
+    SIGNATURES,
+    Graph,
+    Node,
+    bind,
+    eager,
+    is_number,
+    is_reduction,
+    reduction_spec,
+)
 
 
 class CompileError(TypeError):
@@ -206,6 +220,8 @@ def _resolve(fxn: fx.Node) -> tuple[str, bool]:
             return _OPERATORS[fxn.target], False
         if fxn.target is operator.pos:
             return "pos", False
+        if fxn.target is torch.linalg.vector_norm:
+            return "vector_norm", False
         if fxn.target is operator.getitem:
             raise CompileError("indexing a traced value is not supported: a hook body is elementwise")
         if fxn.target is getattr:
@@ -311,6 +327,10 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
             try:
                 bound = bind(op, tuple(raw), dict(fxn.kwargs))
             except TypeError as e:
+                if op in REDUCTIONS:
+                    raise CompileError(f"cannot compile {body.name}: `{op}` over dimensions (dim=, keepdim=) is not "
+                                       f"supported; only whole-tensor reductions like grad.{op}(). "
+                                       f"{SUPPORTED_HINT}") from None
                 raise CompileError(f"cannot compile {body.name}: {e}") from None
             for k in NUMBER_ARGS.get(op, ()):
                 v = bound.get(k)
@@ -324,6 +344,10 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
             args = {}
             for k, v in bound.items():
                 if k in NUMBER_ARGS.get(op, ()) or k in DTYPE_ARGS.get(op, ()) or k == "rounding_mode":
+                    args[k] = v
+                elif k in OPTION_ARGS.get(op, ()):
+                    if isinstance(v, fx.Node):
+                        raise CompileError(f"cannot compile {body.name}: `{op}` needs a Python value for `{k}`")
                     args[k] = v
                 else:
                     args[k] = arg(v, op)
@@ -389,7 +413,13 @@ def _op_node(add, op: str, args: dict, metas: dict, body: TracedBody) -> Node:
     if out.dtype not in BODY_DTYPES:
         raise CompileError(f"cannot compile {body.name}: `{op}` gives dtype {out.dtype}; values in a hook body "
                            f"may be {', '.join(str(d).removeprefix('torch.') for d in BODY_DTYPES)}")
-    full = any(v.full for v in args.values() if isinstance(v, Node))
+    full = any(v.full for v in args.values() if isinstance(v, Node)) and not is_reduction(op, args)
+    if is_reduction(op, args):
+        if op in ("norm", "vector_norm"):
+            try:
+                reduction_spec(Node(0, "op", out.dtype, False, op=op, args=args))
+            except ValueError as e:
+                raise CompileError(f"cannot compile {body.name}: {e}") from None
     tensors = [v for v in args.values() if isinstance(v, Node) and v.kind != "const"]
     op_dtype = out.dtype
     if op in ("eq", "ne", "lt", "le", "gt", "ge", "minimum", "maximum") or op.startswith(("logical_", "bitwise_")):

@@ -43,12 +43,13 @@ def store_partials(x, mask, n_valid, out_ptr,
 
 @triton.jit
 def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel, num_blocks,
-                   BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
+                   BLOCK: tl.constexpr, RBLOCK: tl.constexpr, CORRECTION: tl.constexpr,
                    SUM: tl.constexpr, M2: tl.constexpr, SUMSQ: tl.constexpr,
                    MINMAX: tl.constexpr, COUNTS: tl.constexpr):
     """Merge the partials of statistics set SET over `num_blocks` programs, in fp64.
 
-    partials_ptr: *fp64 [num_blocks, N_SETS, N_PARTIALS]; numel: elements covered (> 0).
+    partials_ptr: *fp64 [num_blocks, N_SETS, N_PARTIALS]; numel: elements covered (> 0);
+    CORRECTION: var = M2 / max(numel - CORRECTION, 0), as torch.var.
     Returns fp64 scalars (count, sum, mean, sumsq, norm, var, std, min, max, absmax, nan, inf, zeros);
     those whose flag is off are 0.
     """
@@ -91,7 +92,7 @@ def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel,
             block_m2 = tl.load(row_ptr + 2, mask=valid, other=0.0, cache_modifier=".cg")
             shift = block_sum / n_block - mean
             acc_m2 += tl.where(valid, block_m2 + n_block * shift * shift, 0.0)
-        var = tl.sum(acc_m2, axis=0) / (n - 1.0)
+        var = tl.sum(acc_m2, axis=0) / tl.maximum(n - CORRECTION, 0.0)
     sumsq = tl.sum(acc_sumsq, axis=0)
     nan = tl.sum(acc_nan, axis=0)
     mn = tl.min(acc_min, axis=0)
@@ -107,3 +108,31 @@ def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel,
         absmax = mn
     return (n, total, mean, sumsq, tl.sqrt(sumsq), var, tl.sqrt(var), mn, mx, absmax,
             nan, tl.sum(acc_inf, axis=0), tl.sum(acc_zeros, axis=0))
+
+
+@triton.jit
+def hist_accumulate(x, mask, hist_ptr, LO: tl.constexpr, BINS: tl.constexpr, PAD: tl.constexpr):
+    """Add this block's power-of-two histogram of |x| into hist_ptr (*int32 [PAD], atomically).
+
+    Bin k counts floor(log2|x|) == LO + k; zeros and smaller values go to bin 0, larger values and
+    +-Inf to bin BINS-1; NaN and masked lanes to the spare bin BINS (not flushed). The exponent is
+    read from the bits (exact). x: fp32 or fp64 [BLOCK].
+    """
+    if x.dtype == tl.float64:
+        exponent = ((x.to(tl.int64, bitcast=True) >> 52) & 0x7FF).to(tl.int32) - 1023
+    else:
+        exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    bins = tl.minimum(tl.maximum(exponent - LO, 0), BINS - 1)
+    bins = tl.where(mask & (x == x), bins, BINS)
+    counts = tl.histogram(bins, PAD)
+    slots = tl.arange(0, PAD)
+    tl.atomic_add(hist_ptr + slots, counts, mask=slots < BINS)
+
+
+@triton.jit
+def hist_flush(hist_ptr, out_ptr, BINS: tl.constexpr, PAD: tl.constexpr):
+    """Copy the accumulated histogram (*int32 [PAD]) into out_ptr (*fp64 [BINS]) and zero it."""
+    slots = tl.arange(0, PAD)
+    counts = tl.load(hist_ptr + slots, mask=slots < BINS, other=0, cache_modifier=".cg")
+    tl.store(out_ptr + slots, counts.to(tl.float64), mask=slots < BINS)
+    tl.store(hist_ptr + slots, tl.zeros([PAD], dtype=tl.int32), mask=slots < BINS)

@@ -46,3 +46,24 @@ def check_stats(got: dict, x: torch.Tensor, names, prefix: str = "") -> None:
             assert abs(g - e) <= 1e-5 * scale + 1e-300, f"{name}: {g} vs {e} (scale {scale})"
         else:
             assert abs(g - e) <= 1e-5 * abs(e) + 1e-300, f"{name}: {g} vs {e}"
+
+
+#: relative tolerance for results that depend on a whole-tensor reduction: the kernel's fp64-merged
+#: reduction differs from torch's in the last bits (and may round to the neighbouring fp16/bf16 value)
+REDUCTION_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
+    """Same dtype and NaN positions; |a - e| <= rtol * (|e| + mean |e|) elsewhere (inf must match)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    a, e = actual.double().reshape(-1), expected.double().reshape(-1)
+    assert torch.equal(torch.isnan(a), torch.isnan(e)), "NaN positions differ"
+    keep = ~torch.isnan(e)
+    a, e = a[keep], e[keep]
+    inf = torch.isinf(e)
+    assert torch.equal(a[inf], e[inf]), "infinities differ"
+    a, e = a[~inf], e[~inf]
+    if e.numel():
+        bound = rtol * (e.abs() + e.abs().mean())
+        bad = (a - e).abs() > bound
+        assert not bad.any(), f"{int(bad.sum())} values differ: {a[bad][:4].tolist()} vs {e[bad][:4].tolist()}"

@@ -50,20 +50,23 @@ def test_offsets_are_int64():
     assert "offs = pid * BLOCK + tl.arange(0, BLOCK)" in src
 
 
-def test_one_launch_for_body_and_statistics(monkeypatch):
+def count_launches(monkeypatch) -> list:
+    """Wrap the runtime's launcher; returns the list of (kernel name, grid) it is called with."""
     launches = []
-    real_fire = fh.runtime.fire
+    real_launch = fh.runtime.launch
 
-    def counting_fire(plan, kernel, *args):
-        class Counted:
-            def __getitem__(self, grid):
-                launches.append(grid)
-                return kernel[grid]
-        return real_fire(plan, Counted() if kernel is not None else None, *args)
+    def counting_launch(kernel, grid, *args, **meta):
+        launches.append((kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__, grid))
+        return real_launch(kernel, grid, *args, **meta)
 
-    monkeypatch.setattr(fh.runtime, "fire", counting_fire)
+    monkeypatch.setattr(fh.runtime, "launch", counting_launch)
+    return launches
+
+
+def test_one_launch_for_body_and_statistics(monkeypatch):
+    launches = count_launches(monkeypatch)
     monkeypatch.setenv("FUSEDHOOKS_BLOCK", "256")
     hook = fh.grad_hook(clip, stats="all", input_stats="all", backend="triton")
     assert hook.plan(numel=5000).launches == 1 and hook.plan(numel=5000).passes == 1
     fire(hook, torch.randn(5000))
-    assert launches == [(20,)]
+    assert launches == [("fused_hook", (20,))]
