@@ -333,7 +333,9 @@ class _KernelWriter:
                  "mask = offs < numel", f"grad = tl.load(grad_ptr + offs, mask=mask, other=0).to({ct})"]
         if self.plan.amp:
             # as torch._amp_foreach_non_finite_check_and_unscale_: grad * fp32(1 / fp64(scale))
-            inv = f"(1.0 / tl.load(scale_ptr).to(tl.float64)).to({'tl.float32' if ct == 'tl.float32' else ct})"
+            inv = "(1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)"
+            if ct != "tl.float32":
+                inv += f".to({ct})"
             lines += ["scaled = grad", f"inv_scale = {inv}",
                       f"grad = {_rounded_expr('scaled * inv_scale', g.grad_dtype)}"]
         if g.uses_param:

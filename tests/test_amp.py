@@ -1,0 +1,102 @@
+"""AMP: a hook with scaler= unscales in its own pass and keeps GradScaler's books like unscale_()."""
+
+import copy
+
+import pytest
+import torch
+
+import fusedhooks as fh
+
+from helpers import FLOAT_DTYPES, assert_same_values
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def train(model, steps, use_hook, backend, clip=0.05, inf_steps=(7,)):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    if use_hook:
+        hook = fh.grad_hook(lambda grad: grad.clamp(-clip, clip), stats=("norm", "inf"), input_stats=("nan",),
+                            scaler=scaler, optimizer=opt, backend=backend)
+        hook.register(model)
+    gen = torch.Generator().manual_seed(1)
+    scales, skipped = [], []
+    for step in range(steps):
+        x = torch.randn(32, 8, generator=gen)
+        y = torch.randn(32, 4, generator=gen)
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step in inf_steps:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        if not use_hook:
+            scaler.unscale_(opt)
+            for p in model.parameters():
+                p.grad.clamp_(-clip, clip)
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
+        scales.append(scaler.get_scale())
+    return scales, skipped
+
+
+def test_amp_loop_is_bit_identical_to_unscale_and_step(backend):
+    reference, hooked = make_model(), make_model()
+    hooked.load_state_dict(copy.deepcopy(reference.state_dict()))
+    ref_scales, ref_skipped = train(reference, 20, use_hook=False, backend=backend)
+    scales, skipped = train(hooked, 20, use_hook=True, backend=backend)
+    assert skipped == ref_skipped and skipped[7] and not skipped[6]
+    assert scales == ref_scales and scales[7] < scales[6]           # backed off after the Inf step
+    for p, q in zip(reference.parameters(), hooked.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("with_inf", [False, True])
+def test_unscale_matches_torch_and_sets_found_inf(dtype, with_inf, backend, monkeypatch):
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")
+    p = torch.zeros(1000, dtype=dtype, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=3.0 * 2.0 ** 7)
+    scaler.scale(torch.ones(()))                                      # creates the scale tensor
+    grad = (torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 300).to(dtype)
+    if with_inf:
+        grad[999] = float("inf")
+    expected = grad.clone()
+    found_ref = torch.zeros(1)
+    torch._amp_foreach_non_finite_check_and_unscale_([expected], found_ref, scaler._scale.double().reciprocal().float())
+    hook = fh.grad_hook(stats=("max",), scaler=scaler, optimizer=opt, backend=backend)
+    hook.register(p)
+    p.grad = grad
+    hook(p)
+    assert_same_values(p.grad, expected)
+    found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")]
+    assert found.item() == found_ref.item() == float(with_inf)
+    assert hook.plan(numel=1000, dtype=dtype).writes == 1             # unscaling writes even without a body
+
+
+def test_amp_misuse_is_refused():
+    p = torch.zeros(3, requires_grad=True)
+    q = torch.zeros(3, requires_grad=True)
+    opt = torch.optim.SGD([p, q], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match="go together"):
+        fh.grad_hook(stats="norm", scaler=scaler)
+    with pytest.raises(TypeError, match="GradScaler"):
+        fh.grad_hook(stats="norm", scaler=object(), optimizer=opt)
+    hook = fh.grad_hook(stats="norm", scaler=scaler, optimizer=opt)
+    hook.register(p)                                                  # q is not covered
+    with pytest.raises(RuntimeError, match="every parameter the optimizer steps"):
+        scaler.scale((p * 2).sum() + (q * 2).sum()).backward()        # refused in the first firing
+    p2, q2 = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
+    opt2 = torch.optim.SGD([p2, q2], lr=1.0)
+    hook2 = fh.grad_hook(stats="norm", scaler=scaler, optimizer=opt2)
+    hook2.register([p2, q2])
+    p2.grad, q2.grad = torch.ones(3), torch.ones(3)
+    scaler.unscale_(opt2)                                             # the user unscaled already
+    with pytest.raises(RuntimeError, match="do not call"):
+        hook2(p2)
