@@ -24,7 +24,9 @@ def test_hist_counts_equal_bucketize(dtype, programs, backend, monkeypatch):
     if programs == "several":
         monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")
     grad = special_values(3001, dtype)
-    grad[:400] = (torch.randn(400) * 2.0 ** torch.randint(-45, 12, (400,)).double()).to(dtype)  # every bin, and past both ends
+    gen = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-45, 12, (400,), generator=gen).double()   # every bin, and past both ends
+    grad[:400] = (torch.randn(400, generator=gen) * 2.0 ** exponents).to(dtype)
     grad[400:420] = 0.0
     before = grad.clone()
     hook = fh.grad_hook(lambda grad: grad * 0.5, stats=("hist", "nan"), input_stats=("hist",), backend=backend)

@@ -1,0 +1,114 @@
+"""Adaptive per-tensor gradient clipping (AdaGC, arXiv 2502.11034) as a ready-made hook."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .api import GradHook, RegistrationHandle, _check_param
+
+
+def _adagc_body(state: torch.Tensor, ratio: float, max_norm: float, warmup_steps: int):
+    """The compiled body for one parameter; `state` = [gamma, step] on the parameter's device (fp32)."""
+    gamma, step = state[0], state[1]
+
+    def adagc(grad):
+        norm = grad.float().norm()
+        limit = torch.where(step < warmup_steps, max_norm, ratio * gamma)
+        coef = torch.where(norm > 0, torch.clamp(limit / norm, max=1.0), 1.0)
+        return grad * coef
+
+    return adagc
+
+
+class AdaptiveClip:
+    """Adaptive per-tensor clipping: each gradient is clipped against an EMA of its own clipped norms.
+
+    For parameter i at firing t (t counts from 0), with g its gradient and gamma its state:
+
+        warm-up (t < warmup_steps):  h = min(max_norm / ||g||, 1)         g <- h * g
+                                     gamma = min(gamma, ||g||)           (gamma starts at +inf)
+        afterwards:                  h = min(ratio * gamma / ||g||, 1)    g <- h * g
+                                     gamma = beta * gamma + (1 - beta) * ||g||
+
+    (||g|| after the assignment is the clipped norm; h = 1 when ||g|| = 0.) The paper's warm-up clips
+    by the global norm; a per-parameter hook sees one tensor, so the warm-up threshold applies per
+    tensor here. That is what makes it usable where global clipping is not: optimizer-in-backward,
+    FSDP2 shards. The state lives on the device (`state(name)` -> tensor [gamma, step]); nothing syncs.
+    Each firing is one fused clip kernel (two passes for gradients larger than one block) plus a few
+    0-dim tensor ops that update the state. Statistics: "norm" (clipped) and "input.norm" per parameter.
+    """
+
+    def __init__(self, beta: float = 0.98, ratio: float = 1.05, warmup_steps: int = 100, max_norm: float = 1.0,
+                 backend: str | None = None):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta must be in [0, 1), got {beta}")
+        if ratio <= 0 or max_norm <= 0 or warmup_steps < 0:
+            raise ValueError("ratio and max_norm must be > 0 and warmup_steps >= 0")
+        self.beta, self.ratio, self.warmup_steps, self.max_norm = beta, ratio, warmup_steps, max_norm
+        self.backend = backend
+        self._hooks: dict[str, GradHook] = {}
+        self._states: dict[str, torch.Tensor] = {}
+
+    def register(self, target, name: str | None = None) -> RegistrationHandle:
+        """Register on a leaf Tensor, an nn.Module or an iterable of them (as GradHook.register)."""
+        probe = GradHook(stats=("norm",), backend=self.backend)
+        if isinstance(target, torch.Tensor):
+            pairs = [(name or f"param{len(self._hooks)}", target)]
+        else:
+            pairs = list(probe._targets(target, name))
+        for pname, t in pairs:
+            _check_param(pname, t)
+            if pname in self._hooks:
+                raise ValueError(f"{pname!r} is already registered with this adaptive clip")
+        handle = RegistrationHandle(probe)
+        for pname, t in pairs:
+            state = torch.tensor([math.inf, 0.0], dtype=torch.float32, device=t.device)
+            hook = GradHook(_adagc_body(state, self.ratio, self.max_norm, self.warmup_steps), stats=("norm",),
+                            input_stats=("norm",), backend=self.backend)
+            hook._add(pname, t)
+            self._hooks[pname], self._states[pname] = hook, state
+            handle._add(t, t.register_post_accumulate_grad_hook(self._firing(hook, state)))
+        return handle
+
+    def _firing(self, hook: GradHook, state: torch.Tensor):
+        beta = self.beta
+        warmup = self.warmup_steps
+        slot = hook.stats.slot_names.index("norm")
+
+        def fire(param: torch.Tensor) -> None:
+            if param.grad is None:
+                return
+            hook(param)
+            row = hook.stats.row(hook._entries[id(param)].row)
+            clipped = row[slot].to(torch.float32)
+            gamma, step = state[0], state[1]
+            updated = torch.where(step < warmup, torch.minimum(gamma, clipped), beta * gamma + (1 - beta) * clipped)
+            gamma.copy_(updated)
+            step.add_(1)
+
+        return fire
+
+    def state(self, name: str) -> torch.Tensor:
+        """The device tensor [gamma, step] of parameter `name` (float32)."""
+        return self._states[name]
+
+    def read(self) -> dict[str, dict[str, float]]:
+        """{name: {"norm", "input.norm", "gamma", "step"}}; one sync per parameter."""
+        out = {}
+        for name, hook in self._hooks.items():
+            stats = hook.stats.read().get(name)
+            if stats is not None:
+                gamma, step = self._states[name].tolist()
+                out[name] = {**stats, "gamma": gamma, "step": int(step)}
+        return out
+
+
+def adaptive_clip(beta: float = 0.98, ratio: float = 1.05, warmup_steps: int = 100, max_norm: float = 1.0,
+                  backend: str | None = None) -> AdaptiveClip:
+    """AdaGC (arXiv 2502.11034): per-tensor clipping against an EMA of each tensor's own clipped norm.
+
+    See AdaptiveClip for the equations. Use: `fh.adaptive_clip(warmup_steps=100).register(model)`.
+    """
+    return AdaptiveClip(beta=beta, ratio=ratio, warmup_steps=warmup_steps, max_norm=max_norm, backend=backend)

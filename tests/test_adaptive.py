@@ -1,0 +1,78 @@
+"""fh.adaptive_clip (AdaGC) against a plain torch implementation of the same equations, over many steps."""
+
+import math
+
+import pytest
+import torch
+
+import fusedhooks as fh
+
+
+def adagc_reference(grads_per_step, beta, ratio, warmup_steps, max_norm):
+    """Plain torch AdaGC, per tensor; returns the clipped gradients of every step and the final gammas."""
+    n = len(grads_per_step[0])
+    gamma = [math.inf] * n
+    out = []
+    for t, grads in enumerate(grads_per_step):
+        clipped = []
+        for i, g in enumerate(grads):
+            norm = g.float().norm()
+            limit = max_norm if t < warmup_steps else ratio * gamma[i]
+            h = torch.clamp(limit / norm, max=1.0) if norm > 0 else torch.tensor(1.0)
+            c = g * h
+            cn = c.float().norm().item()
+            gamma[i] = min(gamma[i], cn) if t < warmup_steps else beta * gamma[i] + (1 - beta) * cn
+            clipped.append(c)
+        out.append(clipped)
+    return out, gamma
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_adaptive_clip_matches_torch_over_many_steps(dtype, backend, monkeypatch):
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", "64")     # the 300-element tensor takes two passes
+    shapes = [(300,), (7, 3), (1,), (0,)]
+    params = [torch.zeros(s, dtype=dtype, requires_grad=True) for s in shapes]
+    gen = torch.Generator().manual_seed(0)
+    steps = []
+    for t in range(30):
+        spike = 50.0 if t in (12, 20) else 1.0          # loss spikes: AdaGC must clip them
+        steps.append([(torch.randn(s, generator=gen) * spike * (1 + i)).to(dtype) for i, s in enumerate(shapes)])
+    expected, gammas = adagc_reference(steps, beta=0.9, ratio=1.05, warmup_steps=5, max_norm=2.0)
+    clip = fh.adaptive_clip(beta=0.9, ratio=1.05, warmup_steps=5, max_norm=2.0, backend=backend)
+    clip.register([(f"p{i}", p) for i, p in enumerate(params)])
+    for t, grads in enumerate(steps):
+        for p, g, e in zip(params, grads, expected[t]):
+            p.grad = g.clone()
+            for hook in p._post_accumulate_grad_hooks.values():
+                hook(p)
+            torch.testing.assert_close(p.grad, e, rtol=1e-5 if dtype == torch.float32 else 1.6e-2, atol=1e-6)
+    state = clip.read()
+    for i, g in enumerate(gammas):
+        if shapes[i] != (0,):
+            assert state[f"p{i}"]["gamma"] == pytest.approx(g, rel=1e-5 if dtype == torch.float32 else 2e-2)
+            assert state[f"p{i}"]["step"] == 30
+
+
+def test_adaptive_clip_in_a_training_loop_clips_spikes():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    clip = fh.adaptive_clip(warmup_steps=3, max_norm=10.0)
+    clip.register(model)
+    x = torch.randn(64, 16)
+    for step in range(8):
+        model.zero_grad()
+        scale = 1000.0 if step == 7 else 1.0
+        (model(x).pow(2).sum() * scale).backward()
+    stats = clip.read()["weight"]
+    assert stats["input.norm"] > 100 * stats["norm"]                      # the spike was clipped...
+    assert stats["norm"] == pytest.approx(1.05 * stats["gamma"] / (0.98 + 0.02 * 1.05), rel=1e-4)  # ...to ratio*gamma
+
+
+def test_adaptive_clip_refuses_bad_options():
+    with pytest.raises(ValueError, match="beta"):
+        fh.adaptive_clip(beta=1.0)
+    with pytest.raises(ValueError, match="ratio"):
+        fh.adaptive_clip(ratio=0)
+    clip = fh.adaptive_clip()
+    with pytest.raises(ValueError, match="require"):
+        clip.register(torch.zeros(3))
