@@ -22,8 +22,8 @@ def run_demo(steps: int = 20, device: str = "cpu", backend: str = "auto") -> dic
     model = make_model(device)
     clip_value = torch.tensor(0.01, device=device)  # read by the kernel at every firing: no recompile
 
-    @fh.grad_hook(stats=("norm", "absmax", "mean", "std", "nan", "inf", "zeros"), input_stats=("norm", "absmax"),
-                  backend=backend)
+    @fh.grad_hook(stats=("norm", "absmax", "mean", "std", "nan", "inf", "zeros"),
+                  input_stats=("norm", "absmax", "hist"), hist_range=(-24, 0), backend=backend)
     def clip(grad):
         return grad.clamp(-clip_value, clip_value)
 
@@ -53,8 +53,44 @@ def run_demo(steps: int = 20, device: str = "cpu", backend: str = "auto") -> dic
         print(f"  {name:<10} {str(tuple(p.shape)):<11} {s['input.norm']:9.4f} {s['input.absmax']:9.4f} "
               f"{s['norm']:9.4f} {s['absmax']:8.4f} {s['mean']:10.2e} {s['std']:9.2e} {s['nan']:4d} "
               f"{s['inf']:4d} {s['zeros']:6d}")
-    largest = max(model.parameters(), key=lambda p: p.numel())
+    largest_name, largest = max(model.named_parameters(), key=lambda kv: kv[1].numel())
+    counts, edges = clip.stats.histogram(largest_name, input=True)
+    print(f"\nhistogram of |grad| of {largest_name} before clipping (bins of floor(log2|g|)):")
+    print_histogram(counts, edges)
+    picture = save_histogram_png(counts, edges, largest_name)
+    if picture:
+        print(f"  (picture: {picture})")
     print("\n" + str(clip.plan(numel=largest.numel(), dtype=largest.dtype, device=device)))
     print(f"\ndone in {elapsed:.1f} s")
     handle.remove()
     return stats
+
+
+def print_histogram(counts: torch.Tensor, edges: torch.Tensor, width: int = 40) -> None:
+    """One text line per non-empty bin: the bin's range and a bar."""
+    top = max(int(counts.max()), 1)
+    for k, c in enumerate(counts.tolist()):
+        if c:
+            bar = "#" * max(1, round(width * c / top))
+            print(f"  [2^{int(edges[k].log2())}, 2^{int(edges[k + 1].log2())})  {c:6d}  {bar}")
+
+
+def save_histogram_png(counts: torch.Tensor, edges: torch.Tensor, name: str, path: str = "fusedhooks_hist.png"):
+    """Save a bar chart of the histogram where matplotlib (the optional `plot` extra) is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3))
+    exponents = edges[:-1].log2().tolist()
+    ax.bar(exponents, counts.tolist(), width=0.9, align="edge")
+    ax.set_xlabel("floor(log2 |grad|)")
+    ax.set_ylabel("elements")
+    ax.set_title(f"fusedhooks: |grad| of {name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -70,3 +70,12 @@ def test_one_launch_for_body_and_statistics(monkeypatch):
     assert hook.plan(numel=5000).launches == 1 and hook.plan(numel=5000).passes == 1
     fire(hook, torch.randn(5000))
     assert launches == [("fused_hook", (20,))]
+
+
+def test_importing_fusedhooks_does_not_import_triton():
+    """TRITON_INTERPRET is read when triton is imported: `python -m fusedhooks demo` sets it after import."""
+    import subprocess
+    import sys
+
+    code = "import sys, fusedhooks; assert 'triton' not in sys.modules, 'fusedhooks imported triton'"
+    subprocess.run([sys.executable, "-c", code], check=True)

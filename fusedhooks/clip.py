@@ -1,0 +1,229 @@
+"""Global-norm gradient clipping fed by the norms a hook recorded during backward: `clip_grad_norm_`."""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import runtime
+from .api import GradHook
+
+if TYPE_CHECKING:  # importing the kernels imports triton: keep `import fusedhooks` free of it, so that
+    from .kernels import multi_tensor  # TRITON_INTERPRET can still be set after importing the package
+
+#: Statistic slots that give each parameter's norm, by norm type, in order of preference, and how a
+#: recorded float64 value becomes the norm.
+_SOURCES = {
+    2.0: (("norm", None), ("sumsq", torch.sqrt)),
+    math.inf: (("absmax", None),),
+}
+
+
+@dataclass
+class _Group:
+    """The gradients of one (device, dtype), in torch's grouping order."""
+
+    device: torch.device
+    dtype: torch.dtype
+    start: int  # this group's slice of the per-parameter norms vector
+    stop: int
+    members: list[int]  # indices into the list of counted gradients
+    round_coef: bool  # CUDA torch rounds a coefficient of another dtype to the gradients' dtype first
+    table: multi_tensor.ScaleTable | None = None  # built on the first Triton launch
+
+
+@dataclass
+class _Layout:
+    """What clipping a given set of gradients needs, cached while their addresses stay the same."""
+
+    key: tuple
+    groups: list[_Group]
+    index: torch.Tensor | None  # int64: flat positions of the norms in the stats buffer, in group order
+    empty_mask: torch.Tensor | None  # True for empty gradients (their norm is 0; absmax records NaN)
+    first_device: torch.device  # where torch stacks the norms: the first gradient's device
+
+
+_layouts: weakref.WeakKeyDictionary[GradHook, dict] = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over the parameters `hook` is registered on, fed by its statistics.
+
+    For norm_type 2.0 the per-parameter norms are the ones the hook recorded during backward (its "norm"
+    statistic, or the square root of "sumsq"); for norm_type inf its "absmax". The gradients are not read to
+    compute them. The total norm and the clip coefficient are then computed on the device with torch ops on
+    that small vector, exactly as torch does (each norm in its gradient's dtype, total_norm =
+    vector_norm(norms, norm_type), coef = clamp(max_norm / (total_norm + 1e-6), max=1)), and every gradient is
+    multiplied by the coefficient in place: with the Triton backend by one multi-tensor launch per
+    (device, dtype), which reads and writes nothing when the coefficient is 1; with the reference backend (CPU
+    without TRITON_INTERPRET, or backend="reference") by `torch._foreach_mul_` as torch does. No host sync
+    unless error_if_nonfinite=True.
+
+    Which parameters count: those registered with `hook` whose `.grad` is not None (None is skipped, as torch
+    does). Such a parameter must have fired the hook (since registration or `hook.stats.reset()`), or its norm
+    is unknown and ValueError is raised. The recorded norm is the one of the hook's last firing: a gradient
+    changed after the hook fired (or a parameter the last backward did not reach while its old `.grad` was
+    kept, e.g. `zero_grad(set_to_none=False)`) is clipped with its last recorded norm.
+
+    Other norm types (1.0, 3.0, -inf, ...) fall back to computing each parameter's norm from the gradients with
+    torch (`torch._foreach_norm` / `torch.linalg.vector_norm`, as torch does): one extra read of every
+    gradient; the scaling is the same. A hook that does not record the statistic norm_type 2.0 or inf needs
+    raises ValueError naming the statistic to add to `stats=`.
+
+    Returns the total norm, a 0-dim tensor on the statistics' device, in the dtype torch gives it (the promoted
+    dtype of the gradients). With no gradient: a float32 zero, and nothing is scaled. An empty gradient
+    contributes 0 (torch raises for norm_type inf). error_if_nonfinite=True raises RuntimeError, before scaling,
+    when the total norm is NaN or Inf (a host sync, as in torch). foreach: as in torch, chooses between
+    `torch._foreach_mul_` (None/True) and one `mul_` per gradient (False) on the reference backend; the Triton
+    backend always uses its multi-tensor kernel.
+
+    Rounding: the products are torch's, bit for bit (fp32 math rounded to nearest even for fp16/bf16; fp64
+    for fp64). The coefficient equals torch's whenever the per-parameter norms do: always for inf (absmax is
+    exact), and for 2.0 up to the rounding of the recorded norm (fp32 blocks merged in fp64) to the gradient's
+    dtype, within 1e-6 relative of torch's fp32 norm and almost always the same fp16/bf16 value.
+    """
+    if not isinstance(hook, GradHook):
+        raise TypeError(f"clip_grad_norm_ takes the fusedhooks hook whose statistics give the norms (e.g. "
+                        f"fh.grad_hook(stats=('norm',))), not {type(hook).__name__}")
+    max_norm = float(max_norm)
+    norm_type = float(norm_type)
+    slot, transform = _norm_slot(hook, norm_type)
+    grads, key = _collect(hook, need_fired=slot is not None)
+    if not grads:
+        return torch.zeros((), device=hook.stats.device or "cpu")
+    per_hook = _layouts.setdefault(hook, {})
+    layout = per_hook.get(slot)
+    if layout is None or layout.key != key:
+        layout = per_hook[slot] = _build_layout(hook, grads, key, slot)
+
+    if slot is not None:
+        values = hook.stats.tensor.reshape(-1).index_select(0, layout.index)
+        if layout.empty_mask is not None:
+            values = values.masked_fill(layout.empty_mask, 0.0)
+        if transform is not None:
+            values = transform(values)
+        norms = [values[g.start:g.stop].to(g.dtype) for g in layout.groups]
+    else:
+        norms = [_norms_from_grads([grads[i] for i in g.members], g.device, norm_type, foreach)
+                 .to(layout.first_device) for g in layout.groups]
+    total_norm = torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), norm_type)
+
+    if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`")
+
+    clip_coef = max_norm / (total_norm + 1e-6)
+    clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
+    for g in layout.groups:
+        coef = clip_coef_clamped.to(g.device)
+        group_grads = [grads[i] for i in g.members]
+        if runtime.choose_backend(g.device, hook.backend) == "reference":
+            if foreach is False:
+                for t in group_grads:
+                    t.mul_(coef)
+            else:
+                torch._foreach_mul_(group_grads, coef)
+            continue
+        if g.table is None:
+            g.table = _multi_tensor().build_table(group_grads)
+        _multi_tensor().scale_(g.table, coef, round_coef=g.round_coef)
+        for i in g.table.left_out:  # not dense: scaled by torch (never the case for gradients torch allocates)
+            group_grads[i].mul_(coef)
+    return total_norm
+
+
+def _norm_slot(hook: GradHook, norm_type: float):
+    """(flat slot index, transform) of the statistic giving each parameter's norm; (None, None) to fall back."""
+    sources = _SOURCES.get(norm_type)
+    if sources is None:
+        return None, None
+    names = hook.stats.slot_names
+    for name, transform in sources:
+        if name in names:
+            return names.index(name), transform
+    need = sources[0][0]
+    raise ValueError(
+        f"clip_grad_norm_ with norm_type={norm_type} uses the {need!r} statistic the hook records during backward, "
+        f"but {hook.__name__} records {list(names) or 'no statistics'}: add {need!r} to its stats= "
+        f"(e.g. fh.grad_hook(stats=({need!r},)))")
+
+
+def _collect(hook: GradHook, need_fired: bool) -> tuple[list[torch.Tensor], tuple]:
+    """The gradients that count (registration order) and the key telling whether a cached layout still fits."""
+    fired = hook.stats._fired
+    grads, key = [], []
+    for entry in hook._entries.values():
+        p = entry.ref()
+        if p is None:
+            continue
+        g = p.grad
+        if g is None:
+            continue
+        if need_fired and not fired[entry.row]:
+            raise ValueError(f"{entry.name} has a .grad but {hook.__name__} has not fired on it (since it was "
+                             "registered, or since stats.reset()), so its norm is unknown; run backward with the "
+                             "hook registered before clip_grad_norm_")
+        grads.append(g)
+        key += (entry.row, g.data_ptr(), g.numel(), g.dtype)
+    return grads, tuple(key)
+
+
+def _build_layout(hook: GradHook, grads: list[torch.Tensor], key: tuple, slot: int | None) -> _Layout:
+    rows = key[0::4]
+    grouped = _group_by_device_and_dtype(grads)
+    total_dtype = functools.reduce(torch.promote_types, (dtype for (_, dtype), _ in grouped))
+    groups, order = [], []
+    for (device, dtype), members in grouped:
+        round_coef = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and dtype != total_dtype
+        groups.append(_Group(device, dtype, len(order), len(order) + len(members), members, round_coef))
+        order += members
+    index = empty_mask = None
+    if slot is not None:
+        device = hook.stats.device
+        n_slots = len(hook.stats.slot_names)
+        index = torch.tensor([rows[i] * n_slots + slot for i in order], dtype=torch.int64).to(device)
+        empty = [grads[i].numel() == 0 for i in order]
+        if any(empty):
+            empty_mask = torch.tensor(empty).to(device)
+    return _Layout(key, groups, index, empty_mask, grads[0].device)
+
+
+def _group_by_device_and_dtype(grads: list[torch.Tensor]) -> list[tuple[tuple[torch.device, torch.dtype], list[int]]]:
+    """Torch's own grouping (its order decides the order of the norms vector, hence the total norm's bits)."""
+    try:
+        from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+        grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)
+        return [(k, list(indices)) for k, (_, indices) in grouped.items()]
+    except (ImportError, TypeError):  # pragma: no cover - a torch without it: first-appearance order
+        out: dict = {}
+        for i, g in enumerate(grads):
+            out.setdefault((g.device, g.dtype), []).append(i)
+        return list(out.items())
+
+
+def _norms_from_grads(grads: list[torch.Tensor], device: torch.device, norm_type: float,
+                      foreach: bool | None) -> torch.Tensor:
+    """Per-gradient norms read from the gradients, as torch's `_get_total_norm` computes them (the fallback)."""
+    from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+    if (foreach is None and _has_foreach_support(grads, device)) or (foreach and _device_has_foreach_support(device)):
+        norms = torch._foreach_norm(grads, norm_type)
+    elif foreach:
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    else:
+        norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+    return torch.stack(norms)
+
+
+def _multi_tensor():
+    from .kernels import multi_tensor
+
+    return multi_tensor
