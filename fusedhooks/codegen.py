@@ -290,8 +290,10 @@ class _ReductionSet:
 class _KernelWriter:
     """Writes the kernels of one plan; they share one signature (see `signature`)."""
 
-    def __init__(self, plan: Plan, device_type: str):
+    def __init__(self, plan: Plan, device_type: str, multi: bool = False):
         self.plan = plan
+        self.multi = multi
+        self.suffix = "_multi" if multi else ""
         self.g = plan.graph
         self.device_type = device_type
         self.ct = compute_type(self.g.grad_dtype)
@@ -303,25 +305,34 @@ class _KernelWriter:
 
     def signature(self) -> list[str]:
         p, g = self.plan, self.g
-        args = [f"grad_ptr,  # *{g.grad_dtype}: the gradient's storage span, updated in place"]
-        if g.uses_param:
-            args.append(f"param_ptr,  # *{g.grad_dtype}: the parameter, same layout as grad")
+        if self.multi:
+            args = ["table_ptr,  # *int64: the bucket's table (see runtime.BucketTable): addresses, sizes, rows, "
+                    "offsets, then (tensor, block) per program",
+                    "n_tensors,  # gradients in the bucket"]
+        else:
+            args = [f"grad_ptr,  # *{g.grad_dtype}: the gradient's storage span, updated in place"]
+            if g.uses_param:
+                args.append(f"param_ptr,  # *{g.grad_dtype}: the parameter, same layout as grad")
         args += [f"scalar{i}_ptr,  # *{dt}: closed-over tensor {i}, read at every run"
                  for i, dt in enumerate(g.scalar_dtypes)]
         if p.amp:
             args += ["scale_ptr,  # *fp32 [1]: GradScaler's scale; the body sees grad / scale",
                      "found_inf_ptr,  # *fp32 [1]: set to 1.0 when the scaled gradient has a NaN/Inf"]
+        per = "per gradient of the bucket: " if self.multi else ""
         if self.reductions:
-            args.append(f"reduced_ptr,  # *fp64 [{len(self.reductions)}]: results of the body's reductions")
+            args.append(f"reduced_ptr,  # *fp64 [{len(self.reductions)}]: {per}results of the body's reductions")
         if p.slots:
-            args.append(f"stats_ptr,  # *fp64 [{len(p.slots)}]: this parameter's statistics row")
+            rows = "the statistics buffer (rows from the table)" if self.multi else "this parameter's statistics row"
+            args.append(f"stats_ptr,  # *fp64 [{len(p.slots)}]: {rows}")
         if self.reductions or p.slots:
-            args += ["partials_ptr,  # *fp64 [num_programs, sets, 8]: per-program partial statistics",
-                     "counter_ptr,  # *int32 [1]: programs finished; the last one merges and resets it to 0"]
+            args += [f"partials_ptr,  # *fp64 [blocks, sets, 8]: {per}per-program partial statistics",
+                     f"counter_ptr,  # *int32 [1]: {per}programs finished; the last one merges and resets it to 0"]
         if self.hist_sets:
-            args.append(f"hist_ptr,  # *int32 [{len(self.hist_sets)}, HIST_PAD]: histogram accumulators, "
+            args.append(f"hist_ptr,  # *int32 [{len(self.hist_sets)}, HIST_PAD]: {per}histogram accumulators, "
                         "zeroed by the last program")
-        args += ["numel,  # elements in the span", "BLOCK: tl.constexpr,  # elements per program",
+        if not self.multi:
+            args.append("numel,  # elements in the span")
+        args += ["BLOCK: tl.constexpr,  # elements per program",
                  "RBLOCK: tl.constexpr,  # partial rows merged at a time"]
         return args
 
@@ -329,8 +340,28 @@ class _KernelWriter:
 
     def prologue(self) -> list[str]:
         ct, g = self.ct, self.g
-        lines = ["pid = tl.program_id(0).to(tl.int64)", "offs = pid * BLOCK + tl.arange(0, BLOCK)",
-                 "mask = offs < numel", f"grad = tl.load(grad_ptr + offs, mask=mask, other=0).to({ct})"]
+        if self.multi:
+            storage = f"tl.pointer_type({_storage_type(g.grad_dtype)})"
+            lines = ["prog = tl.program_id(0).to(tl.int64)",
+                     "t = tl.load(table_ptr + 6 * n_tensors + 2 * prog)  # which gradient of the bucket",
+                     "pid = tl.load(table_ptr + 6 * n_tensors + 2 * prog + 1)  # which block of it",
+                     f"grad_ptr = tl.load(table_ptr + t).to({storage})",
+                     "numel = tl.load(table_ptr + 2 * n_tensors + t)",
+                     "num_blocks = tl.load(table_ptr + 3 * n_tensors + t)"]
+            if g.uses_param:
+                lines.append(f"param_ptr = tl.load(table_ptr + n_tensors + t).to({storage})")
+            if self.plan.slots:
+                lines.append("stats_ptr += tl.load(table_ptr + 4 * n_tensors + t)")
+            if self.reductions or self.plan.slots:
+                lines += ["partials_ptr += tl.load(table_ptr + 5 * n_tensors + t)", "counter_ptr += t"]
+            if self.reductions:
+                lines.append(f"reduced_ptr += t * {len(self.reductions)}")
+            if self.hist_sets:
+                lines.append(f"hist_ptr += t * {len(self.hist_sets)} * HIST_PAD")
+        else:
+            lines = ["pid = tl.program_id(0).to(tl.int64)", "num_blocks = tl.num_programs(0)"]
+        lines += ["offs = pid * BLOCK + tl.arange(0, BLOCK)", "mask = offs < numel",
+                  f"grad = tl.load(grad_ptr + offs, mask=mask, other=0).to({ct})"]
         if self.plan.amp:
             # as torch._amp_foreach_non_finite_check_and_unscale_: grad * fp32(1 / fp64(scale))
             inv = "(1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)"
@@ -449,14 +480,14 @@ class _KernelWriter:
         if single:
             lines.append("tl.debug_barrier()")
         lines += self.partial_lines(sets) + hist_acc
-        merge = self.merge_lines(sets, "1" if single else "tl.num_programs(0)") + hist_flush
+        merge = self.merge_lines(sets, "1" if single else "num_blocks") + hist_flush
         if single:
             return lines + ["tl.debug_barrier()"] + merge
         return lines + _last_program(merge)
 
     def simple_kernel(self) -> list[str]:
         em = self.emitter({})
-        return _kernel(KERNEL_NAME, self.signature(), self.prologue() + self.final_body(em, single=False),
+        return _kernel(KERNEL_NAME + self.suffix, self.signature(), self.prologue() + self.final_body(em, single=False),
                        "the body, its store and the statistics, in one pass")
 
     def reduce_kernel(self, level: int) -> list[str]:
@@ -469,14 +500,15 @@ class _KernelWriter:
         sets = self.reduction_sets(em, level, lambda n: f"tl.store(reduced_ptr + {self.reduction_slot[n.index]}, "
                                                        f"({{}}).to(tl.float64))  # {n.name}")
         body = self.prologue() + loads + em.lines + ["n_valid = tl.minimum(numel - pid * BLOCK, BLOCK)"]
-        body += self.partial_lines(sets) + _last_program(self.merge_lines(sets, "tl.num_programs(0)"))
-        return _kernel(f"reduce_level{level}", self.signature(), body,
+        body += self.partial_lines(sets) + _last_program(self.merge_lines(sets, "num_blocks"))
+        return _kernel(f"reduce_level{level}{self.suffix}", self.signature(), body,
                        f"reduction pass {level}: leaves its results in reduced_ptr")
 
     def final_kernel(self) -> list[str]:
         em = self.emitter({n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions})
         loads = [f"r{k} = {_from_reduced(n, f'tl.load(reduced_ptr + {k})')}" for k, n in enumerate(self.reductions)]
-        return _kernel(KERNEL_NAME, self.signature(), self.prologue() + loads + self.final_body(em, single=False),
+        return _kernel(KERNEL_NAME + self.suffix, self.signature(),
+                       self.prologue() + loads + self.final_body(em, single=False),
                        "the elementwise pass, reading the reductions' results")
 
     def single_kernel(self) -> list[str]:
@@ -546,7 +578,7 @@ def _rounded_expr(expr: str, dtype: torch.dtype) -> str:
 def _last_program(lines: list[str]) -> list[str]:
     return ["tl.debug_barrier()",
             "done = tl.atomic_add(counter_ptr, 1)  # acq_rel: the partials above are visible to the last program",
-            "if done == tl.num_programs(0) - 1:", "    tl.debug_barrier()"] + \
+            "if done == num_blocks - 1:", "    tl.debug_barrier()"] + \
            ["    " + line for line in lines] + ["    tl.store(counter_ptr, 0)"]
 
 
@@ -560,8 +592,9 @@ def generate(plan: Plan, device_type: str) -> str:
 
     Without reductions in the body: one kernel, `fused_hook`. With them: `fused_hook_single` (all
     passes in one program, for gradients that fit one block), `reduce_level1..L` and `fused_hook`.
+    Each but `fused_hook_single` also comes as `..._multi`, which processes a bucket of gradients
+    through a table (one launch per pass for the whole bucket).
     """
-    w = _KernelWriter(plan, device_type)
     header = [
         f"# Generated by fusedhooks for {plan.graph.grad_dtype} gradients on {device_type}. Do not edit.",
         "import triton",
@@ -575,10 +608,14 @@ def generate(plan: Plan, device_type: str) -> str:
         "# body:",
         *("#   " + line for line in str(plan.graph).splitlines()),
     ]
-    if plan.levels == 0:
-        kernels = w.simple_kernel()
-    else:
-        kernels = w.single_kernel()
+    kernels = []
+    for multi in (False, True):
+        w = _KernelWriter(plan, device_type, multi)
+        if plan.levels == 0:
+            kernels += w.simple_kernel()
+            continue
+        if not multi:
+            kernels += w.single_kernel()
         for level in range(1, plan.levels + 1):
             kernels += w.reduce_kernel(level)
         kernels += w.final_kernel()
@@ -594,7 +631,8 @@ _STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}  # finalize_stats r
 
 
 def _storage_type(dtype: torch.dtype) -> str:
-    return {torch.float16: "tl.float16", torch.float32: "tl.float32", torch.float64: "tl.float64"}[dtype]
+    return {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
+            torch.float64: "tl.float64"}[dtype]
 
 
 # --- the on-disk cache -----------------------------------------------------------------------------

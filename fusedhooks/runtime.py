@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from . import reference
+from .layout import flat_span
 from .plan import Plan
 
 #: Partial-statistics rows the last program merges at a time.
 RBLOCK = 256
-#: Elements per program on a GPU (largest) and under the interpreter (largest; its cost is per program).
-GPU_MAX_BLOCK = 4096
-INTERPRET_MAX_BLOCK = 1 << 15
+#: Elements per program, for every gradient size and device. One BLOCK for all sizes makes a gradient's
+#: statistics bit-identical whether it is processed alone or in a bucket with others (same blocks, same
+#: reduction order). FUSEDHOOKS_BLOCK overrides it.
+DEFAULT_BLOCK = 4096
 
 
 def interpreting() -> bool:
@@ -39,30 +42,21 @@ def choose_backend(device: torch.device, requested: str | None = None) -> str:
     return "triton" if triton_ok else "reference"
 
 
-def launch_config(numel: int, device_type: str) -> tuple[int, int]:
-    """(BLOCK, grid) for a gradient of `numel` elements. FUSEDHOOKS_BLOCK (a power of two) overrides BLOCK."""
+def block_size() -> int:
+    """Elements per program: DEFAULT_BLOCK, or FUSEDHOOKS_BLOCK (a power of two >= 16)."""
     override = os.environ.get("FUSEDHOOKS_BLOCK")
-    if override:
-        block = int(override)
-        if block < 16 or block & (block - 1):
-            raise ValueError(f"FUSEDHOOKS_BLOCK must be a power of two >= 16, not {override}")
-    else:
-        cap = GPU_MAX_BLOCK if device_type == "cuda" else INTERPRET_MAX_BLOCK
-        block = min(cap, max(128, 1 << max(numel - 1, 1).bit_length()))
+    if not override:
+        return DEFAULT_BLOCK
+    block = int(override)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"FUSEDHOOKS_BLOCK must be a power of two >= 16, not {override}")
+    return block
+
+
+def launch_config(numel: int, device_type: str) -> tuple[int, int]:
+    """(BLOCK, grid) for a gradient of `numel` elements on `device_type`."""
+    block = block_size()
     return block, -(-numel // block)
-
-
-def flat_span(t: torch.Tensor) -> torch.Tensor | None:
-    """A 1-D view of `t`'s storage span when `t` is non-overlapping and dense (any dim order), else None."""
-    if t.is_contiguous():
-        return t.view(-1)
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return None
-        expected *= size
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
 class Workspace:
@@ -75,6 +69,13 @@ class Workspace:
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.reduced = torch.empty(0, dtype=torch.float64, device=device)
         self.hist = torch.zeros(0, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self.tables: dict[tuple, BucketTable] = {}
+
+    def counters_for(self, n: int) -> torch.Tensor:
+        if self.counters.numel() < n:
+            self.counters = torch.zeros(n, dtype=torch.int32, device=self.device)  # the kernels leave them 0
+        return self.counters
 
     def partials_for(self, rows: int) -> torch.Tensor:
         if self.partials.numel() < rows * 8:
@@ -149,3 +150,93 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
         launch(kernel, (grid,), *args, numel, BLOCK=block, RBLOCK=RBLOCK, **options)
     if (plan.graph.writes or plan.amp) and work is not span and work.data_ptr() != grad.data_ptr():
         grad.copy_(work.view(grad.shape))
+
+
+# --- buckets: many gradients, one launch per pass ------------------------------------------------------------
+
+@dataclass
+class BucketTable:
+    """The int64 table a `..._multi` kernel reads, for one bucket of gradients (one dtype, one device):
+
+        [grad addresses | param addresses | numels | blocks per gradient | stats row offsets |
+         partials offsets | (gradient, block) of each program]      (the first six parts n_tensors long)
+
+    Built once and reused while the gradients stay at the same addresses (`key`).
+    """
+
+    key: tuple
+    table: torch.Tensor
+    n_tensors: int
+    n_programs: int
+    partial_rows: int  # fp64 partial rows the bucket needs, all gradients together
+    host: torch.Tensor | None = None  # the pinned copy a CUDA table came from (kept alive)
+
+
+def bucket_table(grads: list[torch.Tensor], params: list[torch.Tensor] | None, rows: list[int], n_slots: int,
+                 n_sets: int, block: int) -> BucketTable:
+    """The table for `grads` (flat, non-empty spans of one dtype and device); rows: their stats rows."""
+    n = len(grads)
+    blocks = [-(-g.numel() // block) for g in grads]
+    offsets, total = [], 0
+    for b in blocks:
+        offsets.append(total)
+        total += b * n_sets * 8
+    programs = [v for t, b in enumerate(blocks) for k in range(b) for v in (t, k)]
+    values = ([g.data_ptr() for g in grads] + ([p.data_ptr() for p in params] if params else [0] * n)
+              + [g.numel() for g in grads] + blocks + [r * n_slots for r in rows] + offsets + programs)
+    host = torch.tensor(values, dtype=torch.int64)
+    device = grads[0].device
+    if device.type == "cuda":
+        host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
+    else:
+        table, host = host, None
+    return BucketTable(_bucket_key(grads, params, rows), table, n, sum(blocks), max(total // 8, 1), host)
+
+
+def _bucket_key(grads, params, rows) -> tuple:
+    return (tuple(g.data_ptr() for g in grads), tuple(g.numel() for g in grads),
+            tuple(p.data_ptr() for p in params) if params else (), tuple(rows))
+
+
+def fire_bucket(plan: Plan, module, items: list[tuple[torch.Tensor, torch.Tensor, int]],
+                scalars: list[torch.Tensor], stats: torch.Tensor | None, workspace: Workspace,
+                amp: tuple | None = None) -> None:
+    """Apply `plan` to every (grad, param, stats row) of `items` with one launch per pass; no host sync.
+
+    Every grad must be a non-empty flat span (see `layout.flat_span`) of plan.dtype on one device; with a
+    param-reading body, each param must be a flat span with its grad's strides.
+    """
+    uses_param = plan.graph.uses_param
+    grads = [flat_span(g) for g, _, _ in items]
+    params = [flat_span(p) for _, p, _ in items] if uses_param else None
+    rows = [r for _, _, r in items]
+    block = block_size()
+    n_sets = max(2, len(plan.graph.reductions()))
+    n_slots = len(plan.slots)
+    key = _bucket_key(grads, params, rows)
+    table = workspace.tables.get(key)
+    if table is None:
+        table = bucket_table(grads, params, rows, n_slots, n_sets, block)
+        if len(workspace.tables) > 64:  # gradients keep moving: keep the cache small
+            workspace.tables.clear()
+        workspace.tables[key] = table
+    n = table.n_tensors
+    args = [table.table, n, *scalars]
+    if plan.amp:
+        args.extend(amp)
+    n_reductions = len(plan.graph.reductions())
+    if n_reductions:
+        args.append(workspace.reduced_for(n * n_reductions))
+    if plan.slots:
+        args.append(stats)
+    if n_reductions or plan.slots:
+        args += [workspace.partials_for(table.partial_rows), workspace.counters_for(n)]
+    if plan.hist_range:
+        args.append(workspace.hist_for(n * 2 * (1 << plan.hist_bins.bit_length())))
+    options = {"enable_fp_fusion": False}
+    if grads[0].device.type == "cuda":
+        options["num_warps"] = 8 if block >= 2048 else 4
+    names = [f"reduce_level{level}_multi" for level in range(1, plan.levels + 1)] + ["fused_hook_multi"]
+    for name in names:
+        launch(getattr(module, name), (table.n_programs,), *args, BLOCK=block, RBLOCK=RBLOCK, **options)

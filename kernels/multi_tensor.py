@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedhooks.layout import flat_span
+
 from .elementwise import round_to_bf16, round_to_fp16, to_bf16
 
 #: Triton element type of each torch dtype the kernel scales.
@@ -137,19 +139,6 @@ class ScaleTable:
         return 2 * sum(self.numels) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def _flat_span(t: torch.Tensor) -> torch.Tensor | None:
-    """A 1-D view of `t`'s storage span when `t` is non-overlapping and dense (any dim order), else None."""
-    if t.is_contiguous():
-        return t.view(-1)
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return None
-        expected *= size
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
-
-
 def launch_config(numels: list[int], device_type: str) -> tuple[int, int]:
     """(BLOCK, CHUNK) for tensors of these sizes: one large block per program in the interpreter; on a GPU,
     BLOCK elements per iteration and chunks small enough to give every SM work, at most GPU_MAX_CHUNK."""
@@ -184,7 +173,7 @@ def build_table(tensors: list[torch.Tensor], block: int | None = None, chunk: in
                              f"{t.device}, tensor 0 is {dtype} on {device}")
         if t.numel() == 0:
             continue
-        span = _flat_span(t)
+        span = flat_span(t)
         if span is None:
             left_out.append(i)
             continue
