@@ -13,7 +13,25 @@ def main(argv=None) -> int:
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     demo.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"),
                       help="on CPU, 'auto' runs the Triton kernels in the interpreter (TRITON_INTERPRET=1)")
+    tune = sub.add_parser("tune", help="measure launch configurations for a hook's kernels and cache the best")
+    tune.add_argument("--hook", help="module:attr of a fusedhooks GradHook (default: clip + scale + all stats)")
+    tune.add_argument("--model", help="module:attr of an nn.Module (or a function returning one): tune for "
+                                      "its parameters' sizes and dtypes")
+    tune.add_argument("--sizes", help="comma-separated gradient sizes, e.g. 4K,1M,16M")
+    tune.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16, fp64")
+    tune.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    tune.add_argument("--quick", action="store_true", help="few sizes and configurations (CI)")
+    tune.add_argument("--out", help="the tuning cache file (default: FUSEDHOOKS_TUNE_CACHE or "
+                                    "<cache dir>/tuning.json)")
     args = parser.parse_args(argv)
+    if args.command == "tune":
+        import torch
+        if args.out:
+            os.environ["FUSEDHOOKS_TUNE_CACHE"] = args.out
+        if not torch.cuda.is_available() and (args.device or "cpu") == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # the CPU timer and the interpreter (CI)
+        from .tune import main as tune_main
+        return tune_main(args)
     if args.command == "demo":
         import torch
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -415,7 +415,10 @@ class GradHook:
         """The kernel plan for a gradient of `numel` elements and `dtype` (device: default CUDA if present)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         backend = runtime.choose_backend(device, self.backend)
-        block = runtime.launch_config(numel, device.type)[0] if numel else None
+        module = None
+        if backend == "triton" and numel and runtime.tuning.cache_path().exists():  # a tuned BLOCK applies
+            module = (self._compiled.get((dtype, device)) or self._compile(dtype, device)).kernel
+        block = runtime.launch_config(numel, device.type, module, device)[0] if numel else None
         return make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, numel, backend,
                          amp=self._amp, hist_range=self.hist_range, block=block)
 

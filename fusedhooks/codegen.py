@@ -667,5 +667,6 @@ def load(source: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
+    module.DIGEST = digest  # names the kernels in the tuning cache
     _loaded[digest] = module
     return module

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference
+from . import reference, tuning
 from .layout import flat_span
 from .plan import Plan
 
@@ -42,21 +42,34 @@ def choose_backend(device: torch.device, requested: str | None = None) -> str:
     return "triton" if triton_ok else "reference"
 
 
-def block_size() -> int:
-    """Elements per program: DEFAULT_BLOCK, or FUSEDHOOKS_BLOCK (a power of two >= 16)."""
+def block_size(module=None, device: torch.device | None = None) -> int:
+    """Elements per program: FUSEDHOOKS_BLOCK (a power of two >= 16) if set, else the BLOCK tuned for these
+    kernels on this device (`python -m fusedhooks tune`), else DEFAULT_BLOCK. One BLOCK serves every size."""
     override = os.environ.get("FUSEDHOOKS_BLOCK")
-    if not override:
-        return DEFAULT_BLOCK
-    block = int(override)
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"FUSEDHOOKS_BLOCK must be a power of two >= 16, not {override}")
-    return block
+    if override:
+        block = int(override)
+        if block < 16 or block & (block - 1):
+            raise ValueError(f"FUSEDHOOKS_BLOCK must be a power of two >= 16, not {override}")
+        return block
+    entry = tuning.lookup(module, device) if module is not None and device is not None else None
+    return entry["block"] if entry else DEFAULT_BLOCK
 
 
-def launch_config(numel: int, device_type: str) -> tuple[int, int]:
-    """(BLOCK, grid) for a gradient of `numel` elements on `device_type`."""
-    block = block_size()
+def launch_config(numel: int, device_type: str, module=None, device: torch.device | None = None) -> tuple[int, int]:
+    """(BLOCK, grid) for a gradient of `numel` elements on `device_type` (module, device: see block_size)."""
+    block = block_size(module, device)
     return block, -(-numel // block)
+
+
+def launch_options(module, device: torch.device, numel: int, block: int) -> dict:
+    """Compile options of a launch: tuned num_warps/num_stages for this size, else a heuristic."""
+    options = {"enable_fp_fusion": False}
+    if device.type == "cuda":
+        options["num_warps"] = 8 if block >= 2048 else 4
+    entry = tuning.lookup(module, device)
+    if entry:
+        options.update(entry["sizes"].get(tuning.size_key(numel), {}))
+    return options
 
 
 class Workspace:
@@ -107,6 +120,27 @@ def kernels_for(plan: Plan, module, grid: int) -> list:
     return [getattr(module, f"reduce_level{level}") for level in range(1, plan.levels + 1)] + [module.fused_hook]
 
 
+def kernel_args(plan: Plan, work: torch.Tensor, pspan: torch.Tensor | None, scalars: list[torch.Tensor],
+                stats_row: torch.Tensor | None, workspace: Workspace, grid: int, amp: tuple | None) -> list:
+    """Arguments of the single-gradient kernels of `plan`, before numel and the constexprs."""
+    args = [work]
+    if plan.graph.uses_param:
+        args.append(pspan)
+    args.extend(scalars)
+    if plan.amp:
+        args.extend(amp)
+    n_reductions = len(plan.graph.reductions())
+    if n_reductions:
+        args.append(workspace.reduced_for(n_reductions))
+    if plan.slots:
+        args.append(stats_row)
+    if n_reductions or plan.slots:
+        args += [workspace.partials_for(grid * max(2, n_reductions)), workspace.counter]
+    if plan.hist_range:
+        args.append(workspace.hist_for(2 * (1 << plan.hist_bins.bit_length())))
+    return args
+
+
 def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: list[torch.Tensor],
          stats_row: torch.Tensor | None, workspace: Workspace, amp: tuple | None = None) -> None:
     """Apply `plan` to `grad` in place and record its statistics into `stats_row`; no host sync.
@@ -127,25 +161,9 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
         pspan = param.contiguous().view(-1) if uses_param else None
     else:
         pspan = flat_span(param) if uses_param else None
-    block, grid = launch_config(numel, grad.device.type)
-    args = [work]
-    if uses_param:
-        args.append(pspan)
-    args.extend(scalars)
-    if plan.amp:
-        args.extend(amp)
-    n_reductions = len(plan.graph.reductions())
-    if n_reductions:
-        args.append(workspace.reduced_for(n_reductions))
-    if plan.slots:
-        args.append(stats_row)
-    if n_reductions or plan.slots:
-        args += [workspace.partials_for(grid * max(2, n_reductions)), workspace.counter]
-    if plan.hist_range:
-        args.append(workspace.hist_for(2 * (1 << plan.hist_bins.bit_length())))
-    options = {"enable_fp_fusion": False}
-    if grad.device.type == "cuda":
-        options["num_warps"] = 8 if block >= 2048 else 4
+    block, grid = launch_config(numel, grad.device.type, module, grad.device)
+    args = kernel_args(plan, work, pspan, scalars, stats_row, workspace, grid, amp)
+    options = launch_options(module, grad.device, numel, block)
     for kernel in kernels_for(plan, module, grid):
         launch(kernel, (grid,), *args, numel, BLOCK=block, RBLOCK=RBLOCK, **options)
     if (plan.graph.writes or plan.amp) and work is not span and work.data_ptr() != grad.data_ptr():
@@ -211,7 +229,8 @@ def fire_bucket(plan: Plan, module, items: list[tuple[torch.Tensor, torch.Tensor
     grads = [flat_span(g) for g, _, _ in items]
     params = [flat_span(p) for _, p, _ in items] if uses_param else None
     rows = [r for _, _, r in items]
-    block = block_size()
+    device = grads[0].device
+    block = block_size(module, device)
     n_sets = max(2, len(plan.graph.reductions()))
     n_slots = len(plan.slots)
     key = _bucket_key(grads, params, rows)
@@ -234,9 +253,7 @@ def fire_bucket(plan: Plan, module, items: list[tuple[torch.Tensor, torch.Tensor
         args += [workspace.partials_for(table.partial_rows), workspace.counters_for(n)]
     if plan.hist_range:
         args.append(workspace.hist_for(n * 2 * (1 << plan.hist_bins.bit_length())))
-    options = {"enable_fp_fusion": False}
-    if grads[0].device.type == "cuda":
-        options["num_warps"] = 8 if block >= 2048 else 4
+    options = launch_options(module, device, sum(g.numel() for g in grads), block)
     names = [f"reduce_level{level}_multi" for level in range(1, plan.levels + 1)] + ["fused_hook_multi"]
     for name in names:
         launch(getattr(module, name), (table.n_programs,), *args, BLOCK=block, RBLOCK=RBLOCK, **options)

@@ -1,0 +1,166 @@
+"""`python -m fusedhooks tune`: measure launch configurations for a hook's kernels and cache the best.
+
+For each dtype, the hook's kernels are run on gradients of each size with every candidate (BLOCK,
+num_warps, num_stages). Before every trial the gradient is restored from a copy (as triton's autotune
+`restore_value`) and the statistics are overwritten by the firing itself (the partials and counters the
+kernels use are reset by the kernels, as `reset_to_zero` would): no trial corrupts the next. One BLOCK is
+chosen for all sizes (the fastest in total), then num_warps/num_stages per size; see `tuning` for the file.
+On a GPU trials are timed with CUDA events; under the interpreter with a CPU timer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+import time
+
+import torch
+
+from . import runtime, tuning
+from .api import GradHook, grad_hook
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+def default_hook() -> GradHook:
+    """The hook tuned when none is given: clip + scale with every statistic."""
+    return grad_hook(lambda grad: grad.clamp(-1.0, 1.0) * 0.5, stats="all")
+
+
+def candidates(device: torch.device, quick: bool) -> list[dict]:
+    blocks = (2048, 4096) if quick else (1024, 2048, 4096, 8192)
+    warps = (4,) if quick or device.type != "cuda" else (4, 8, 16)
+    stages = (1,) if quick or device.type != "cuda" else (1, 2, 3)
+    return [{"block": b, "num_warps": w, "num_stages": s} for b, w, s in itertools.product(blocks, warps, stages)]
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def _timer(device: torch.device):
+    if device.type == "cuda":
+        def timed(fn) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+    else:
+        def timed(fn) -> float:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+    return timed
+
+
+def _progress(total: int, label: str):
+    try:
+        from tqdm import tqdm  # optional
+
+        return tqdm(total=total, desc=label)
+    except ImportError:
+        class Text:
+            n = 0
+
+            def update(self, k=1):
+                self.n += k
+                print(f"\r{label}: {self.n}/{total}", end="", file=sys.stderr, flush=True)
+
+            def close(self):
+                print(file=sys.stderr)
+        return Text()
+
+
+def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: torch.device, quick: bool = False,
+         reps: int = 3) -> dict:
+    """Tune `hook`'s kernels on `device`; returns {digest: entry} and writes them to the tuning cache."""
+    timed = _timer(device)
+    configs = candidates(device, quick)
+    results = {}
+    bar = _progress(len(dtypes) * len(sizes) * len(configs), "fusedhooks tune")
+    for dtype in dtypes:
+        compiled = hook._compile(dtype, device)
+        if compiled.kernel is None:
+            raise RuntimeError(f"tuning needs the triton backend: CUDA, or TRITON_INTERPRET=1 on CPU ({device})")
+        module, plan = compiled.kernel, compiled.plan
+        workspace = runtime.Workspace(device)
+        stats = torch.zeros(max(len(plan.slots), 1), dtype=torch.float64, device=device)
+        tried = []
+        for numel in sizes:
+            param = torch.zeros(numel, dtype=dtype, device=device)
+            saved = (torch.randn(numel, device=device) * 1e-2).to(dtype)
+            grad = saved.clone()
+            for config in configs:
+                def trial(config=config):
+                    block, grid = config["block"], -(-numel // config["block"])
+                    args = runtime.kernel_args(plan, grad, param, hook._body.scalars, stats, workspace, grid,
+                                               _amp_for_tuning(plan, device))
+                    options = {"enable_fp_fusion": False, "num_warps": config["num_warps"],
+                               "num_stages": config["num_stages"]}
+                    for kernel in runtime.kernels_for(plan, module, grid):
+                        runtime.launch(kernel, (grid,), *args, numel, BLOCK=block, RBLOCK=runtime.RBLOCK,
+                                       **options)
+                grad.copy_(saved)
+                trial()  # compile and warm up
+                times = []
+                for _ in range(reps):
+                    grad.copy_(saved)  # restore_value: every trial sees the same gradient
+                    times.append(timed(trial))
+                tried.append({**config, "size": numel, "ms": sorted(times)[len(times) // 2]})
+                bar.update()
+        best_block = min({c["block"] for c in configs},
+                         key=lambda b: sum(min(t["ms"] for t in tried if t["block"] == b and t["size"] == n)
+                                           for n in sizes))
+        per_size = {}
+        for numel in sizes:
+            best = min((t for t in tried if t["block"] == best_block and t["size"] == numel), key=lambda t: t["ms"])
+            per_size[tuning.size_key(numel)] = {"num_warps": best["num_warps"], "num_stages": best["num_stages"]}
+        entry = {"block": best_block, "sizes": per_size, "tried": tried, "dtype": str(dtype)}
+        tuning.store(device, module.DIGEST, entry)
+        results[module.DIGEST] = entry
+    bar.close()
+    return results
+
+
+def _amp_for_tuning(plan, device):
+    if not plan.amp:
+        return None
+    return torch.ones(1, device=device), torch.zeros(1, device=device)
+
+
+def load_object(spec: str):
+    """`module:attr` -> the object (a GradHook, an nn.Module, or a callable returning one)."""
+    module_name, _, attr = spec.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def main(args) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    hook = load_object(args.hook) if args.hook else default_hook()
+    if not isinstance(hook, GradHook):
+        raise SystemExit(f"--hook must name a fusedhooks GradHook, got {type(hook).__name__}")
+    dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
+    if args.model:
+        model = load_object(args.model)
+        model = model() if callable(model) and not isinstance(model, torch.nn.Module) else model
+        numels = sorted({p.numel() for p in model.parameters() if p.requires_grad})
+        sizes = sorted({1 << max(n - 1, 1).bit_length() for n in numels})  # one per size bucket
+        dtypes = sorted({p.dtype for p in model.parameters()}, key=str)
+    elif args.sizes:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+    else:
+        sizes = [5000, 20000] if args.quick else [1 << 12, 1 << 16, 1 << 20, 1 << 24]
+    results = tune(hook, sizes, dtypes, device, quick=args.quick)
+    print(f"tuned {len(results)} kernel(s) on {tuning.device_key(device)}; cache: {tuning.cache_path()}")
+    for digest, entry in results.items():
+        print(f"  {digest} ({entry['dtype']}): BLOCK={entry['block']}, {len(entry['tried'])} trials, "
+              f"per size: {entry['sizes']}")
+    return 0

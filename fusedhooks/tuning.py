@@ -1,0 +1,79 @@
+"""The tuning cache: launch configurations measured by `python -m fusedhooks tune`, read by the runtime.
+
+One JSON file (FUSEDHOOKS_TUNE_CACHE, default <cache dir>/tuning.json):
+
+    {"<device name> | triton <version>": {"<kernel digest>": {
+        "block": 4096,                                   # one BLOCK for every size (statistics stay the same
+        "sizes": {"2^20": {"num_warps": 8, "num_stages": 1}, ...},   # whether bucketed or not)
+        "tried": [{"block": ..., "num_warps": ..., "num_stages": ..., "size": ..., "ms": ...}, ...]}}}
+
+Keys: the device's name (CUDA: torch.cuda.get_device_name; CPU: the interpreter), the triton version and the
+content hash of the generated kernel source, so a cache never applies to another GPU, triton or kernel.
+Without an entry the runtime uses its heuristics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from .codegen import cache_dir
+
+_cache: dict | None = None
+_device_keys: dict[torch.device, str] = {}
+
+
+def cache_path() -> Path:
+    """FUSEDHOOKS_TUNE_CACHE, else tuning.json in the kernel cache directory."""
+    env = os.environ.get("FUSEDHOOKS_TUNE_CACHE")
+    return Path(env) if env else cache_dir() / "tuning.json"
+
+
+def device_key(device: torch.device) -> str:
+    key = _device_keys.get(device)
+    if key is None:
+        try:
+            triton_version = version("triton")
+        except PackageNotFoundError:
+            triton_version = "?"
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (triton interpreter)"
+        key = _device_keys[device] = f"{name} | triton {triton_version}"
+    return key
+
+
+def size_key(numel: int) -> str:
+    """Sizes are tuned and looked up by power of two (so every parameter shape does not retune)."""
+    return f"2^{max(numel - 1, 1).bit_length()}"
+
+
+def load(reload: bool = False) -> dict:
+    global _cache
+    if _cache is None or reload:
+        path = cache_path()
+        _cache = json.loads(path.read_text()) if path.exists() else {}
+    return _cache
+
+
+def lookup(module, device: torch.device) -> dict | None:
+    """The tuned entry for the kernels of `module` (generated, with a DIGEST) on `device`, or None."""
+    digest = getattr(module, "DIGEST", None)
+    if digest is None:
+        return None
+    return load().get(device_key(device), {}).get(digest)
+
+
+def store(device: torch.device, digest: str, entry: dict) -> Path:
+    """Add or replace one kernel's entry in the cache file; returns its path."""
+    path = cache_path()
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.setdefault(device_key(device), {})[digest] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    load(reload=True)
+    return path

@@ -1,0 +1,52 @@
+"""`python -m fusedhooks tune`: end to end under the interpreter, and a later process using the cache."""
+
+import json
+import os
+import subprocess
+import sys
+
+USE_CACHE = """
+import json, sys, torch
+import fusedhooks as fh
+from fusedhooks import runtime, tuning
+from fusedhooks.tune import default_hook
+hook = default_hook()
+entry = next(iter(tuning.load()[tuning.device_key(torch.device("cpu"))].values()))
+plan = hook.plan(numel=100_000, dtype=torch.float32, device="cpu")
+launches = []
+real = runtime.launch
+runtime.launch = lambda kernel, grid, *a, **k: (launches.append((grid, k["BLOCK"])), real(kernel, grid, *a, **k))
+p = torch.zeros(100_000, requires_grad=True)
+p.grad = torch.randn(100_000)
+hook(p)
+print(json.dumps({"plan_block": plan.block, "launches": launches}))
+"""
+
+
+def run(args, env, code=None):
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "fusedhooks", *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_tune_writes_the_cache_and_a_later_process_uses_it(tmp_path):
+    cache = tmp_path / "tuning.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FUSEDHOOKS_CACHE_DIR": str(tmp_path / "kernels")}
+    env.pop("FUSEDHOOKS_BLOCK", None)
+    run(["tune", "--quick", "--dtypes", "fp32", "--out", str(cache)], env)
+    data = json.loads(cache.read_text())
+    (device_key, kernels), = data.items()
+    assert device_key.startswith("cpu (triton interpreter) | triton ")
+    (digest, entry), = kernels.items()
+    configs = {(t["block"], t["num_warps"], t["num_stages"]) for t in entry["tried"]}
+    assert len(configs) >= 2 and {t["size"] for t in entry["tried"]} == {5000, 20000}
+    assert entry["block"] in {c[0] for c in configs} and entry["sizes"]
+
+    env["FUSEDHOOKS_TUNE_CACHE"] = str(cache)
+    for block in (entry["block"], 1024):   # the tuned one, then one the runtime would never pick by itself
+        entry["block"] = block
+        cache.write_text(json.dumps({device_key: {digest: entry}}))
+        used = json.loads(run([], env, USE_CACHE).strip().splitlines()[-1])
+        assert used["plan_block"] == block
+        assert used["launches"] == [[[-(-100_000 // block)], block]]
