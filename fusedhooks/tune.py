@@ -10,6 +10,7 @@ On a GPU trials are timed with CUDA events; under the interpreter with a CPU tim
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import sys
@@ -96,15 +97,8 @@ def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: to
             saved = (torch.randn(numel, device=device) * 1e-2).to(dtype)
             grad = saved.clone()
             for config in configs:
-                def trial(config=config):
-                    block, grid = config["block"], -(-numel // config["block"])
-                    args = runtime.kernel_args(plan, grad, param, hook._body.scalars, stats, workspace, grid,
-                                               _amp_for_tuning(plan, device))
-                    options = {"enable_fp_fusion": False, "num_warps": config["num_warps"],
-                               "num_stages": config["num_stages"]}
-                    for kernel in runtime.kernels_for(plan, module, grid):
-                        runtime.launch(kernel, (grid,), *args, numel, BLOCK=block, RBLOCK=runtime.RBLOCK,
-                                       **options)
+                trial = functools.partial(_run_config, plan, module, grad, param, hook._body.scalars, stats,
+                                          workspace, config)
                 grad.copy_(saved)
                 trial()  # compile and warm up
                 times = []
@@ -125,6 +119,16 @@ def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: to
         results[module.DIGEST] = entry
     bar.close()
     return results
+
+
+def _run_config(plan, module, grad, param, scalars, stats, workspace, config: dict) -> None:
+    """One firing of the single-gradient kernels with the launch configuration `config`."""
+    numel, block = grad.numel(), config["block"]
+    grid = -(-numel // block)
+    args = runtime.kernel_args(plan, grad, param, scalars, stats, workspace, grid, _amp_for_tuning(plan, grad.device))
+    options = {"enable_fp_fusion": False, "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    for kernel in runtime.kernels_for(plan, module, grid):
+        runtime.launch(kernel, (grid,), *args, numel, BLOCK=block, RBLOCK=runtime.RBLOCK, **options)
 
 
 def _amp_for_tuning(plan, device):
