@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.graph import increment_version
 
 from . import reference, tuning
 from .layout import flat_span
@@ -166,8 +167,11 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
     options = launch_options(module, grad.device, numel, block)
     for kernel in kernels_for(plan, module, grid):
         launch(kernel, (grid,), *args, numel, BLOCK=block, RBLOCK=RBLOCK, **options)
-    if (plan.graph.writes or plan.amp) and work is not span and work.data_ptr() != grad.data_ptr():
-        grad.copy_(work.view(grad.shape))
+    if plan.writes:
+        if work is not span and work.data_ptr() != grad.data_ptr():
+            grad.copy_(work.view(grad.shape))
+        else:
+            increment_version(grad)  # the kernel wrote through a raw pointer: tell autograd, as mul_ would
 
 
 # --- buckets: many gradients, one launch per pass ------------------------------------------------------------
@@ -257,3 +261,5 @@ def fire_bucket(plan: Plan, module, items: list[tuple[torch.Tensor, torch.Tensor
     names = [f"reduce_level{level}_multi" for level in range(1, plan.levels + 1)] + ["fused_hook_multi"]
     for name in names:
         launch(getattr(module, name), (table.n_programs,), *args, BLOCK=block, RBLOCK=RBLOCK, **options)
+    if plan.writes:
+        increment_version([g for g, _, _ in items])

@@ -483,3 +483,23 @@ def test_plan_of_empty_gradient_launches_nothing(backend):
     assert (plan.launches, plan.passes, plan.writes) == (0, 0, 0)
     assert "passes=0" in str(plan)
 
+
+
+def test_firing_bumps_the_version_counter_like_an_inplace_op(backend):
+    """The kernels write .grad through raw pointers; autograd still learns of the in-place write."""
+    p = torch.zeros(300, requires_grad=True)
+    p.grad = torch.randn(300)
+    before = p.grad._version
+    fh.grad_hook(lambda grad: grad * 0.5, backend=backend)(p)
+    assert p.grad._version > before
+    stats_only = fh.grad_hook(stats=("norm",), backend=backend)
+    before = p.grad._version
+    stats_only(p)
+    assert p.grad._version == before            # statistics only: nothing written
+
+
+def test_bucketed_firing_bumps_the_version_counter():
+    model = torch.nn.Linear(4, 3)
+    fh.grad_hook(lambda grad: grad * 0.5, backend="triton").register(model, bucket_mb=1)
+    model(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad._version > 0 for p in model.parameters())
