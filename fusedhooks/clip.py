@@ -135,7 +135,7 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
             continue
         if g.table is None:
             g.table = _multi_tensor().build_table(group_grads)
-        _multi_tensor().scale_(g.table, coef, round_coef=g.round_coef)
+        _multi_tensor().scale_(g.table, coef, round_coef=g.round_coef, launch=runtime.launch)
         for i in g.table.left_out:  # not dense: scaled by torch (never the case for gradients torch allocates)
             group_grads[i].mul_(coef)
     return total_norm

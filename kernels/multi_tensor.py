@@ -199,13 +199,14 @@ def build_table(tensors: list[torch.Tensor], block: int | None = None, chunk: in
                       aligned=all(a % 16 == 0 for a in addresses), left_out=tuple(left_out), host_table=host)
 
 
-def scale_(table: ScaleTable, coef: torch.Tensor, round_coef: bool = False) -> None:
+def scale_(table: ScaleTable, coef: torch.Tensor, round_coef: bool = False, launch=None) -> None:
     """Multiply every tensor of `table` in place by the 0-dim tensor `coef`, in one launch; no host sync.
 
     table: from `build_table`; its tensors must still be alive and where they were when it was built.
     coef: a 0-dim float tensor on the table's device, read by the kernel (a coefficient >= 1 leaves the
     tensors untouched: no write). round_coef: round a coefficient of another dtype to the tensors' dtype
     first (CUDA torch's `mul_`; see the module docstring). Launches nothing when no tensor has elements.
+    launch: launch(kernel, grid, *args, **meta) (fusedhooks passes runtime.launch); default kernel[grid](...).
     """
     if coef.dim() != 0 or coef.device != table.device or not coef.dtype.is_floating_point:
         raise ValueError(f"coef must be a 0-dim float tensor on {table.device}; got shape {tuple(coef.shape)}, "
@@ -215,10 +216,13 @@ def scale_(table: ScaleTable, coef: torch.Tensor, round_coef: bool = False) -> N
     options = {"enable_fp_fusion": False}  # nothing to fuse (one multiply); silences triton 3.9's warning
     if table.device.type == "cuda":
         options["num_warps"] = 8 if table.block >= 2048 else 4
-    scale_kernel[(table.n_programs,)](
-        table.table, coef, table.n_tensors,
-        DTYPE=TL_DTYPES[table.dtype], ROUND_COEF=round_coef, ALIGNED=table.aligned,
-        CHUNK=table.chunk, BLOCK=table.block, **options)
+    args = (table.table, coef, table.n_tensors)
+    meta = dict(DTYPE=TL_DTYPES[table.dtype], ROUND_COEF=round_coef, ALIGNED=table.aligned, CHUNK=table.chunk,
+                BLOCK=table.block, **options)
+    if launch is None:
+        scale_kernel[(table.n_programs,)](*args, **meta)
+    else:
+        launch(scale_kernel, (table.n_programs,), *args, **meta)
 
 
 def multi_tensor_scale_(tensors: list[torch.Tensor], coef: torch.Tensor, round_coef: bool = False) -> None:

@@ -1,0 +1,390 @@
+"""What is benchmarked: the gradient work (workloads) and who does it (providers).
+
+A workload is one piece of gradient work (clip + scale, clip + every statistic, ...). Every provider does the
+same work on the same gradients, its own way:
+
+    fusedhooks      the compiled hook (`fh.grad_hook`), registered with `hook.register`
+    eager           the same body as eager torch ops in a post-accumulate-grad hook, no host sync
+                    (statistics are written into a device buffer)
+    eager+item      the seed-style hook: the same eager ops, every statistic or scalar read with `.item()`
+    torch built-in  `clip_grad_value_`, `clip_grad_norm_`, `GradScaler.unscale_`, where one applies
+    torch.compile   the `eager` hook function, compiled (default options)
+    no hook         nothing: the baseline of the model step
+
+A provider turns a workload into an `Impl`: one callable per parameter (called as torch calls
+post-accumulate-grad hooks, `hook(param)`), and optionally `after()`, the work after backward (global clipping).
+Each Impl also says how many bytes per gradient element it moves (see benchmarks/README.md, "Bytes").
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import fusedhooks as fh
+
+#: Clip bound of the clipping workloads, and the max_norm of global clipping.
+CLIP = 1.0
+MAX_NORM = 1.0
+EPS = 1e-6
+#: The statistics of stats="all", without "count" (a constant the eager hooks store once).
+EAGER_STATS = tuple(n for n in fh.STAT_NAMES if n != "count")
+
+
+class NotApplicable(Exception):
+    """The provider has no way to do this workload (the table and the JSON say why)."""
+
+
+@dataclass
+class Env:
+    """The gradients a workload runs on: leaf parameters with their `.grad` set, and the optimizer stepping them."""
+
+    device: torch.device
+    dtype: torch.dtype
+    params: list[tuple[str, torch.Tensor]]
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [p for _, p in self.params]
+
+
+@dataclass
+class Impl:
+    """One provider's implementation of a workload on `env.params`.
+
+    hooks: one callable per parameter, in env.params order (empty: no per-parameter work).
+    after: work after backward (e.g. global clipping), or None.
+    bytes_per_element: bytes the provider moves per gradient element (None: unknown).
+    fh_hook: the fusedhooks hook (fusedhooks provider only), to count its launches.
+    fh_structure: what fusedhooks plans per step, summed over the parameters: passes (reads of the gradients),
+    writes, launches, and where the launch count comes from. Structural: the same on every device and backend.
+    """
+
+    hooks: list[Callable] = field(default_factory=list)
+    after: Callable | None = None
+    bytes_per_element: float | None = None
+    fh_hook: fh.GradHook | None = None
+    fh_structure: dict | None = None
+    _handles: list = field(default_factory=list)
+
+    @property
+    def does_nothing(self) -> bool:
+        return not self.hooks and self.after is None
+
+    def attach(self, env: Env) -> None:
+        """Register the hooks with torch. fusedhooks: `hook.register(params)`, the way users register a model (several
+        tensors are processed in buckets, flushed at the end of backward); its launch count then comes from
+        `hook.explain()`."""
+        if self.fh_hook is not None:
+            self._handles.append(self.fh_hook.register(env.params))
+            if len(env.params) > 1:
+                self.fh_structure.update(launches=self.fh_hook.explain().launches_per_backward,
+                                         launches_from="hook.explain(): launches per backward (an upper bound)")
+        else:
+            self._handles += [p.register_post_accumulate_grad_hook(h) for p, h in zip(env.tensors, self.hooks)]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def record(row: torch.Tensor | None, values: list[torch.Tensor], sync: bool):
+    """Keep a hook's statistics: stacked into a device row (no sync), or read to the host one by one with
+    `.item()` (the seed-style hook: one sync each)."""
+    if sync:
+        return [v.item() for v in values]
+    row.copy_(torch.stack([v.float() for v in values]))
+    return None
+
+
+def eager_all_stats(g: torch.Tensor) -> list[torch.Tensor]:
+    """EAGER_STATS of `g` with eager torch ops, as 0-dim tensors: 7 reads of g and 3 bool temporaries
+    (sum, vector_norm, var, aminmax, then isnan/isinf/eq each written to a bool tensor and summed)."""
+    n = g.numel()
+    total = g.sum(dtype=torch.float32)
+    norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+    var = torch.var(g).float()
+    lo, hi = torch.aminmax(g)
+    lo, hi = lo.float(), hi.float()
+    return [total, total / n, norm * norm, norm, var, var.sqrt(), lo, hi, torch.maximum(-lo, hi),
+            g.isnan().sum(), g.isinf().sum(), (g == 0).sum()]
+
+
+class Workload:
+    """A piece of gradient work. Subclasses define the fusedhooks hook, the eager per-parameter function
+    (`on_grad(g, state, sync)`: a staticmethod, so that torch.compile sees one function), and, where they
+    exist, the after-backward work and a torch built-in.
+
+    Traffic (bytes per element) is given in units of the gradient's element size plus bytes of bool temporaries.
+    """
+
+    name = ""
+    title = ""
+    #: (elements' worth of reads+writes, bool temporary bytes) per element for eager / eager+item / built-in.
+    eager_traffic: tuple[float, float] = (0, 0)
+    builtin_traffic: tuple[float, float] | None = None
+    #: Whether the seed-style hook differs from `eager` (it reads something with .item()).
+    has_item_variant = True
+
+    # --- fusedhooks ---------------------------------------------------------------------------------------------
+
+    def fusedhooks_hook(self, env: Env) -> fh.GradHook:
+        raise NotImplementedError
+
+    def fusedhooks_after(self, hook: fh.GradHook, env: Env) -> tuple[Callable | None, int, int, int]:
+        """(after, launches, reads, writes) of the work after backward, reads and writes in passes over the
+        gradients; none by default."""
+        return None, 0, 0, 0
+
+    def fusedhooks(self, env: Env) -> Impl:
+        hook = self.fusedhooks_hook(env)
+        after, launches, reads, writes = self.fusedhooks_after(hook, env)
+        plans = [hook.plan(numel=p.numel(), dtype=p.dtype, device=env.device) for p in env.tensors]
+        total = sum(p.numel() for p in env.tensors)
+        moved = sum(pl.bytes_per_element * p.numel() for pl, p in zip(plans, env.tensors))
+        moved += (reads + writes) * env.dtype.itemsize * total
+        structure = {"passes": sum(pl.passes for pl in plans) + reads,
+                     "writes": sum(pl.writes for pl in plans) + writes,
+                     "launches": sum(pl.launches for pl in plans) + launches,
+                     "launches_from": "hook.plan(numel=, dtype=).launches" + (" + the global clip's" if after else "")}
+        return Impl(hooks=[hook] * len(env.params), after=after, bytes_per_element=moved / total, fh_hook=hook,
+                    fh_structure=structure)
+
+    # --- eager, eager+item, torch.compile -----------------------------------------------------------------------
+
+    def setup(self, env: Env, sync: bool) -> tuple[list, object]:
+        """(the state handed to on_grad for each parameter, anything eager_after needs); default: nothing."""
+        return [None] * len(env.params), None
+
+    @staticmethod
+    def on_grad(g: torch.Tensor, state, sync: bool) -> None:
+        """The eager hook's body, on the gradient `g` (in place); sync: read statistics with .item()."""
+        raise NotImplementedError
+
+    def eager_after(self, env: Env, shared, sync: bool, wrap: Callable) -> Callable | None:
+        return None
+
+    def eager(self, env: Env, sync: bool = False, wrap: Callable = lambda f: f) -> Impl:
+        """The eager hook; `wrap` = torch.compile gives the compiled provider (same function)."""
+        if sync and not self.has_item_variant:
+            raise NotApplicable("nothing to read with .item(): the seed-style hook is the eager one")
+        fn = wrap(self.on_grad)
+        states, shared = self.setup(env, sync)
+        return Impl(hooks=[functools.partial(_on_param_grad, fn, state=s, sync=sync) for s in states],
+                    after=self.eager_after(env, shared, sync, wrap),
+                    bytes_per_element=_bytes(self.eager_traffic, env.dtype))
+
+    def compiled(self, env: Env) -> Impl:
+        impl = self.eager(env, wrap=torch.compile)
+        # Inductor's schedule varies with the graph: count it as the fused minimum (the fusedhooks plan).
+        impl.bytes_per_element = self.fusedhooks(env).bytes_per_element
+        return impl
+
+    def builtin(self, env: Env) -> Impl:
+        raise NotApplicable("no torch built-in does this")
+
+
+def _on_param_grad(fn: Callable, p: torch.Tensor, state, sync: bool) -> None:
+    """A post-accumulate-grad hook (torch passes the parameter) running `fn` on the gradient. Compiled, `fn` gets
+    the gradient as its input: dynamo cannot guard the sizes of `p.grad` of a dynamic-shape parameter."""
+    fn(p.grad, state, sync)
+
+
+def _bytes(traffic: tuple[float, float], dtype: torch.dtype) -> float:
+    passes, bool_bytes = traffic
+    return passes * dtype.itemsize + bool_bytes
+
+
+class ClipScale(Workload):
+    """grad.clamp(-1, 1) * scale, with `scale` a 0-dim fp32 device tensor (as a schedule would be). It holds
+    1.0, so that repeated firings on the same gradient keep its values in range; no provider can tell."""
+
+    name, title = "clip_scale", "clip + scale"
+    eager_traffic = (4, 0)  # clamp_ r+w, mul_ r+w
+    builtin_traffic = (6, 0)  # clip_grad_value_ (clamp_min_, clamp_max_: 2 r+w), mul_ r+w
+    has_item_variant = False
+
+    def scale(self, env: Env) -> torch.Tensor:
+        return torch.ones((), dtype=torch.float32, device=env.device)
+
+    def fusedhooks_hook(self, env):
+        scale = self.scale(env)
+        return fh.grad_hook(lambda grad: grad.clamp(-CLIP, CLIP) * scale)
+
+    def setup(self, env, sync):
+        return [self.scale(env)] * len(env.params), None
+
+    @staticmethod
+    def on_grad(g, state, sync):
+        g.clamp_(-CLIP, CLIP).mul_(state)
+
+    def builtin(self, env):
+        scale = self.scale(env)
+
+        def hook(p):
+            torch.nn.utils.clip_grad_value_(p, CLIP)
+            p.grad.mul_(scale)
+
+        return Impl(hooks=[hook] * len(env.params), bytes_per_element=_bytes(self.builtin_traffic, env.dtype))
+
+
+class ClipStats(ClipScale):
+    """clip + scale, and every statistic (stats="all") of the clipped gradient."""
+
+    name, title = "clip_stats", "clip + all stats"
+    eager_traffic = (11, 6)  # clip 4 + 7 reads; isnan/isinf/eq: bool written and read (2 bytes each)
+    builtin_traffic = None
+    has_item_variant = True
+
+    def fusedhooks_hook(self, env):
+        scale = self.scale(env)
+        return fh.grad_hook(lambda grad: grad.clamp(-CLIP, CLIP) * scale, stats="all")
+
+    def setup(self, env, sync):
+        scale = self.scale(env)
+        rows = torch.zeros(len(env.params), len(EAGER_STATS), device=env.device)  # the device statistics buffer
+        return [(scale, rows[i]) for i in range(len(env.params))], rows
+
+    @staticmethod
+    def on_grad(g, state, sync):
+        scale, row = state
+        g.clamp_(-CLIP, CLIP).mul_(scale)
+        record(row, eager_all_stats(g), sync)
+
+    def builtin(self, env):
+        raise NotApplicable("no torch built-in computes these statistics")
+
+
+class Normalize(Workload):
+    """grad / (grad.norm() + 1e-6): a whole-tensor reduction, then the elementwise pass."""
+
+    name, title = "normalize", "normalise by norm"
+    eager_traffic = (3, 0)  # norm read, div_ r+w
+
+    def fusedhooks_hook(self, env):
+        return fh.grad_hook(lambda grad: grad / (grad.norm() + EPS))
+
+    @staticmethod
+    def on_grad(g, state, sync):
+        norm = g.norm()
+        g.div_(norm.item() + EPS if sync else norm + EPS)
+
+    def builtin(self, env):
+        raise NotApplicable("no torch built-in normalises a tensor by its own norm in place")
+
+
+class AmpClip(Workload):
+    """AMP unscaling, NaN/Inf check and per-parameter norms in the hook, then global-norm clipping.
+
+    The GradScaler's scale is 0.5: each step unscales (x2) and the clip brings the norm back to MAX_NORM, so
+    repeated steps on the same gradient stay in range and the clip really scales every time. Each step ends by
+    resetting the scaler's per-optimizer books, as scaler.update() does (without its scale-update kernel).
+    """
+
+    name, title = "amp_clip", "AMP unscale + global clip"
+    eager_traffic = (6, 2)  # mul_ r+w, isfinite (bool w+r) + all, norm read; clip mul_ r+w
+    builtin_traffic = (5, 0)  # unscale_ r+w; clip_grad_norm_: norm read, mul_ r+w
+
+    @staticmethod
+    def scaler(env: Env) -> torch.amp.GradScaler:
+        scaler = torch.amp.GradScaler(env.device.type, init_scale=0.5)
+        scaler.scale(torch.ones((), device=env.device))  # creates the scale tensor, as scaling the loss does
+        return scaler
+
+    @staticmethod
+    def end_of_step(scaler: torch.amp.GradScaler) -> None:
+        scaler._per_optimizer_states.clear()  # the books scaler.update() resets (a defaultdict: READY again)
+
+    def fusedhooks_hook(self, env):
+        return fh.grad_hook(stats=("norm",), scaler=self.scaler(env), optimizer=env.optimizer)
+
+    def fusedhooks_after(self, hook, env):
+        def after():
+            fh.clip_grad_norm_(hook, MAX_NORM)
+            self.end_of_step(hook.scaler)
+
+        return after, 1, 1, 1  # one multi-tensor launch per (device, dtype): reads and writes when it clips
+
+    def setup(self, env, sync):
+        scaler = self.scaler(env)
+        if sync:  # the seed-style hook: the scale read once, norms and the NaN/Inf flag collected on the host
+            host = {"inv_scale": 1.0 / scaler.get_scale(), "norms": [], "found_inf": False}
+            return [host] * len(env.params), host
+        inv_scale = scaler._scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
+        found_inf = torch.zeros((), dtype=torch.bool, device=env.device)
+        norms = torch.zeros(len(env.params), device=env.device)
+        return [(inv_scale, found_inf, norms[i]) for i in range(len(env.params))], (found_inf, norms)
+
+    @staticmethod
+    def on_grad(g, state, sync):
+        if sync:
+            g.mul_(state["inv_scale"])
+            state["found_inf"] |= not torch.isfinite(g).all().item()
+            state["norms"].append(torch.linalg.vector_norm(g).item())
+            return
+        inv_scale, found_inf, norm = state
+        g.mul_(inv_scale)
+        found_inf.logical_or_(torch.isfinite(g).all().logical_not())
+        norm.copy_(torch.linalg.vector_norm(g))
+
+    @staticmethod
+    def clip_by_norms(grads: list[torch.Tensor], norms: torch.Tensor) -> None:
+        """Global clip from per-parameter norms already on the device (the coefficient as clip_grad_norm_'s)."""
+        total = torch.linalg.vector_norm(norms)
+        torch._foreach_mul_(grads, torch.clamp(MAX_NORM / (total + EPS), max=1.0))
+
+    def eager_after(self, env, shared, sync, wrap):
+        if sync:
+            def after():
+                total = sum(n * n for n in shared["norms"]) ** 0.5
+                coef = MAX_NORM / (total + EPS)
+                if coef < 1.0:
+                    for p in env.tensors:
+                        p.grad.mul_(coef)
+                shared["norms"].clear()
+                shared["found_inf"] = False
+            return after
+
+        found_inf, norms = shared
+        clip = wrap(self.clip_by_norms)
+
+        def after():
+            clip([p.grad for p in env.tensors], norms)
+            found_inf.zero_()  # the step would read it; the next one starts clean
+        return after
+
+    def builtin(self, env):
+        scaler = self.scaler(env)
+
+        def after():
+            scaler.unscale_(env.optimizer)
+            torch.nn.utils.clip_grad_norm_(env.tensors, MAX_NORM)
+            self.end_of_step(scaler)
+
+        return Impl(after=after, bytes_per_element=_bytes(self.builtin_traffic, env.dtype))
+
+
+#: In run order, the DESIGN's headline first (so that a run cut short by a time budget has it).
+WORKLOADS = {w.name: w for w in (ClipStats(), ClipScale(), Normalize(), AmpClip())}
+#: The per-parameter work of the model workload: the DESIGN target (clip + all statistics on every parameter).
+MODEL_WORK = WORKLOADS["clip_stats"]
+
+
+def no_hook(workload: Workload, env: Env) -> Impl:
+    return Impl(bytes_per_element=0.0)
+
+
+#: provider name -> (how it builds an Impl for a workload on an env)
+PROVIDERS: dict[str, Callable[[Workload, Env], Impl]] = {
+    "fusedhooks": lambda w, env: w.fusedhooks(env),
+    "eager": lambda w, env: w.eager(env),
+    "eager+item": lambda w, env: w.eager(env, sync=True),
+    "torch built-in": lambda w, env: w.builtin(env),
+    "torch.compile": lambda w, env: w.compiled(env),
+    "no hook": no_hook,
+}

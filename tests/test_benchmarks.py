@@ -1,0 +1,152 @@
+"""The benchmark suite runs on CPU and reports every figure it promises (benchmarks/README.md)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ("model", "clip_scale", "clip_stats", "normalize", "amp_clip")
+PROVIDERS = ("fusedhooks", "eager", "eager+item", "torch built-in", "torch.compile", "no hook")
+FIELDS = ("workload", "provider", "dtype", "numel", "status", "reason", "median_us", "p20_us", "p80_us",
+          "bytes_per_element", "gbps", "copy_gbps", "copy_ratio", "host_us_per_firing", "gradients", "launches",
+          "launches_how", "fusedhooks_plan", "vs_fusedhooks", "added_pct")
+
+
+def run_bench(out: Path, *args: str, interpret: bool = False) -> tuple[dict, str]:
+    """Run benchmarks/run.py --device cpu in a subprocess; returns (results.json, stdout)."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # conftest sets it for this process; the benchmark's backend is chosen here
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--device", "cpu", "--out", str(out),
+                           *args], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), proc.stdout
+
+
+def by_key(data: dict) -> dict:
+    return {(r["workload"], r["provider"], r["dtype"], r["numel"]): r for r in data["results"]}
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    return run_bench(tmp_path_factory.mktemp("bench"), "--quick")
+
+
+def test_quick_run_records_environment(quick):
+    data, _ = quick
+    assert data["device"]["type"] == "cpu" and data["device"]["name"]
+    assert data["device"]["representative"] is False and "NOT representative" in data["device"]["note"]
+    assert all(data["versions"][k] for k in ("python", "torch", "triton", "fusedhooks"))
+    assert "revision" in data["git"] and "dirty" in data["git"]  # None outside a git checkout
+    if (ROOT / ".git").exists():
+        assert len(data["git"]["revision"]) == 40
+    assert "benchmarks/run.py" in data["command"] and "--quick" in data["command"]
+    assert data["fusedhooks_backend"] == "reference"
+    assert data["settings"]["timer"] and data["elapsed_s"] > 0
+
+
+def test_quick_run_has_every_workload_and_provider(quick):
+    data, _ = quick
+    sizes, dtypes = data["settings"]["sizes"], data["settings"]["dtypes"]
+    assert dtypes == ["fp32", "bf16"] and len(sizes) >= 2
+    assert {(c["dtype"], c["numel"]) for c in data["copy"]} == {(d, n) for d in dtypes for n in sizes}
+    assert all(c["gbps"] > 0 for c in data["copy"])
+    results = by_key(data)
+    for workload in WORKLOADS:
+        for provider in PROVIDERS:
+            for dtype in dtypes:
+                for numel in [None] if workload == "model" else sizes:
+                    r = results[(workload, provider, dtype, numel)]
+                    assert set(FIELDS) <= set(r), (workload, provider)
+                    assert r["status"] in ("ok", "n/a"), r
+                    if r["status"] == "n/a":
+                        assert r["reason"], r
+    # --quick on CPU leaves torch.compile out, and says so
+    assert results[("clip_scale", "torch.compile", "fp32", sizes[0])]["reason"].startswith("not run by --quick")
+
+
+def test_quick_run_sweep_figures(quick):
+    data, _ = quick
+    for r in data["results"]:
+        if r["workload"] == "model" or r["status"] != "ok":
+            continue
+        assert 0 < r["p20_us"] <= r["median_us"] <= r["p80_us"], r
+        assert r["gbps"] > 0 and r["copy_gbps"] > 0 and r["copy_ratio"] == pytest.approx(r["gbps"] / r["copy_gbps"])
+        assert r["host_us_per_firing"] > 0 and r["gradients"] == 1
+        assert r["vs_fusedhooks"] > 0
+        if r["provider"] == "fusedhooks":
+            assert isinstance(r["launches"], int) and r["launches"] == r["fusedhooks_plan"]["launches"]
+        else:
+            assert r["launches"] is None and r["launches_how"].startswith("n/a")
+    results = by_key(data)
+    small, large = data["settings"]["sizes"][0], data["settings"]["sizes"][-1]
+
+    def fused(workload, dtype, numel):
+        return results[(workload, "fusedhooks", dtype, numel)]
+
+    # Structural figures: one read and one write for clip + stats; a norm needs a second pass past one BLOCK.
+    assert fused("clip_stats", "fp32", large)["bytes_per_element"] == 8
+    assert fused("clip_stats", "bf16", large)["bytes_per_element"] == 4
+    assert fused("clip_stats", "fp32", large)["fusedhooks_plan"] == {
+        "passes": 1, "writes": 1, "launches": 1, "launches_from": "hook.plan(numel=, dtype=).launches"}
+    assert fused("normalize", "fp32", small)["launches"] == 1
+    assert fused("normalize", "fp32", large)["launches"] == 2
+    assert fused("normalize", "fp32", large)["bytes_per_element"] == 12
+    assert fused("amp_clip", "fp32", large)["bytes_per_element"] == 16  # hook r+w, then the clip's r+w
+    assert fused("amp_clip", "fp32", large)["launches"] == 2
+    # the others' bytes follow their known passes
+    assert results[("clip_scale", "eager", "fp32", large)]["bytes_per_element"] == 16
+    assert results[("clip_scale", "torch built-in", "bf16", large)]["bytes_per_element"] == 12
+    assert results[("amp_clip", "torch built-in", "fp32", large)]["bytes_per_element"] == 20
+
+
+def test_quick_run_model_figures(quick):
+    data, _ = quick
+    results = by_key(data)
+    for dtype in data["settings"]["dtypes"]:
+        base = results[("model", "no hook", dtype, None)]
+        assert base["status"] == "ok" and base["added_pct"] == 0.0 and base["launches"] == 0
+        for provider in ("fusedhooks", "eager", "eager+item"):
+            r = results[("model", provider, dtype, None)]
+            assert r["status"] == "ok" and r["median_us"] > 0, r
+            assert r["added_pct"] == pytest.approx(100 * (r["median_us"] - base["median_us"]) / base["median_us"])
+            assert r["host_us_per_firing"] > 0 and r["gradients"] == 28
+            assert r["gbps"] is None  # no bandwidth figure for a whole step
+        fused = results[("model", "fusedhooks", dtype, None)]
+        assert 1 <= fused["launches"] <= 28 and fused["launches_how"].startswith("structural: hook.explain()")
+
+
+def test_quick_run_prints_markdown(quick):
+    _, stdout = quick
+    assert "NOT representative" in stdout
+    assert "| size | dtype | provider | median µs | p20–p80 µs | GB/s | × copy |" in stdout
+    assert "| dtype | provider | step ms |" in stdout
+    for title in ("clip + scale", "clip + all stats", "normalise by norm", "AMP unscale + global clip", "GPT-2"):
+        assert f"## {title}" in stdout
+    assert "results.json" in stdout
+
+
+def test_interpreter_counts_launches(tmp_path):
+    """With TRITON_INTERPRET=1 the real kernels run, and launches are counted at fusedhooks.runtime.launch."""
+    data, _ = run_bench(tmp_path, "--quick", "--workloads", "normalize,amp_clip", "--providers", "fusedhooks",
+                        "--dtype", "fp32", "--sizes", "1K,8K", interpret=True)
+    assert data["fusedhooks_backend"].startswith("triton (interpreter")
+    results = by_key(data)
+    for (workload, numel), launches in {("normalize", 1024): 1, ("normalize", 8192): 2,
+                                        ("amp_clip", 1024): 2, ("amp_clip", 8192): 2}.items():
+        r = results[(workload, "fusedhooks", "fp32", numel)]
+        assert r["status"] == "ok" and r["launches"] == launches == r["fusedhooks_plan"]["launches"], r
+        assert r["launches_how"].startswith("counted")
+
+
+def test_torch_compile_provider(tmp_path):
+    """torch.compile of the eager hook works on CPU (gcc), including dynamic shapes and the model's hooks."""
+    data, _ = run_bench(tmp_path, "--quick", "--workloads", "model,clip_stats", "--providers", "torch.compile",
+                        "--dtype", "fp32", "--sizes", "1K,64K")
+    compiled = [r for r in data["results"] if r["provider"] == "torch.compile"]
+    assert len(compiled) == 3 and all(r["status"] == "ok" for r in compiled), compiled
