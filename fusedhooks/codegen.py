@@ -583,7 +583,11 @@ def _last_program(lines: list[str]) -> list[str]:
 
 
 def _kernel(name: str, args: list[str], body: list[str], doc: str) -> list[str]:
-    return (["", "", "@triton.jit", f"def {name}("] + ["    " + a for a in args] + ["):", f'    """{doc}"""']
+    # Triton turns an integer argument equal to 1 into a constexpr (then `numel.to(...)` fails to compile):
+    # a 1-element gradient or bucket must not change the kernel
+    unspecialized = [a.split(",")[0] for a in args if a.startswith(("numel,", "n_tensors,"))]
+    return (["", "", f"@triton.jit(do_not_specialize={unspecialized})", f"def {name}("]
+            + ["    " + a for a in args] + ["):", f'    """{doc}"""']
             + ["    " + line for line in body])
 
 

@@ -79,3 +79,13 @@ def test_importing_fusedhooks_does_not_import_triton():
 
     code = "import sys, fusedhooks; assert 'triton' not in sys.modules, 'fusedhooks imported triton'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sizes_are_never_specialized_into_constants():
+    """On a GPU, Triton makes an integer argument equal to 1 a constexpr; `numel.to(tl.float64)` in the merge
+    would then fail to compile for a 1-element gradient (triton-lang/triton#2939). The interpreter does not
+    specialize, so the guard is checked in the source."""
+    src = fh.grad_hook(lambda grad: grad / grad.norm(), stats="all").source(torch.float32)
+    kernels = [line for line in src.splitlines() if line.startswith("@triton.jit")]
+    assert len(kernels) == 5
+    assert all("do_not_specialize=['numel']" in k or "do_not_specialize=['n_tensors']" in k for k in kernels)
