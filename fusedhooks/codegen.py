@@ -226,9 +226,7 @@ class _Emitter:
                 self.names[n.index] = "param"
                 continue
             if n.kind == "scalar":
-                expr = f"tl.load(scalar{n.value}_ptr)"
-                if n.dtype in (torch.float16, torch.bfloat16):
-                    expr += ".to(tl.float32)"
+                expr = _widen(f"tl.load(scalar{n.value}_ptr)", n.dtype)
             else:
                 expr = self.op(n)
                 result_ct = compute_type(n.dtype)
@@ -361,7 +359,7 @@ class _KernelWriter:
         else:
             lines = ["pid = tl.program_id(0).to(tl.int64)", "num_blocks = tl.num_programs(0)"]
         lines += ["offs = pid * BLOCK + tl.arange(0, BLOCK)", "mask = offs < numel",
-                  f"grad = tl.load(grad_ptr + offs, mask=mask, other=0).to({ct})"]
+                  f"grad = {_widen('tl.load(grad_ptr + offs, mask=mask, other=0)', g.grad_dtype)}"]
         if self.plan.amp:
             # as torch._amp_foreach_non_finite_check_and_unscale_: grad * fp32(1 / fp64(scale))
             inv = "(1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)"
@@ -370,7 +368,7 @@ class _KernelWriter:
             lines += ["scaled = grad", f"inv_scale = {inv}",
                       f"grad = {_rounded_expr('scaled * inv_scale', g.grad_dtype)}"]
         if g.uses_param:
-            lines.append(f"param = tl.load(param_ptr + offs, mask=mask, other=0).to({ct})")
+            lines.append(f"param = {_widen('tl.load(param_ptr + offs, mask=mask, other=0)', g.grad_dtype)}")
         return lines
 
     def emitter(self, available: dict[int, str]) -> _Emitter:
@@ -571,6 +569,14 @@ def _from_reduced(node: Node, loaded: str) -> str:
     return _from_merged(node, loaded)
 
 
+def _widen(loaded: str, dtype: torch.dtype) -> str:
+    """A loaded value of torch `dtype` in its compute type (bf16 through bits, exact everywhere)."""
+    if dtype == torch.bfloat16:
+        return f"bf16_to_fp32({loaded})"
+    ct = compute_type(dtype)
+    return f"{loaded}.to({ct})" if ct in _FLOAT_CT else loaded
+
+
 def _rounded_expr(expr: str, dtype: torch.dtype) -> str:
     return f"{_ROUND[dtype]}({expr})" if dtype in _ROUND else expr
 
@@ -604,7 +610,7 @@ def generate(plan: Plan, device_type: str) -> str:
         "import triton",
         "import triton.language as tl",
         "",
-        "from fusedhooks.kernels.elementwise import pow_scalar, round_to_bf16, round_to_fp16, to_bf16",
+        "from fusedhooks.kernels.elementwise import bf16_to_fp32, pow_scalar, round_to_bf16, round_to_fp16, to_bf16",
         "from fusedhooks.kernels.stats import finalize_stats, hist_accumulate, hist_flush, store_partials",
         "",
         f"HIST_PAD = tl.constexpr({_hist_pad(plan.hist_bins)})",

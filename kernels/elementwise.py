@@ -25,6 +25,12 @@ def to_bf16(x):
 
 
 @triton.jit
+def bf16_to_fp32(x):
+    """x: bf16 [BLOCK] -> fp32 [BLOCK], exactly (through bits: the interpreter's cast mangles subnormals)."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_to_fp16(x):
     """x: fp32 [BLOCK] -> fp32 [BLOCK] holding the nearest fp16 (ties to even)."""
     return x.to(tl.float16).to(tl.float32)

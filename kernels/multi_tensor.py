@@ -39,7 +39,7 @@ import triton.language as tl
 
 from fusedhooks.layout import flat_span
 
-from .elementwise import round_to_bf16, round_to_fp16, to_bf16
+from .elementwise import bf16_to_fp32, round_to_bf16, round_to_fp16, to_bf16
 
 #: Triton element type of each torch dtype the kernel scales.
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
@@ -101,7 +101,10 @@ def scale_kernel(
 @triton.jit
 def _scaled(x, coef, DTYPE: tl.constexpr):
     """x * coef computed in coef's type (fp32, or fp64 for fp64 tensors), rounded to DTYPE (to nearest even)."""
-    y = x.to(coef.dtype) * coef
+    if DTYPE == tl.bfloat16:
+        y = bf16_to_fp32(x) * coef  # exact in the interpreter too (its bf16 -> fp32 cast mangles subnormals)
+    else:
+        y = x.to(coef.dtype) * coef
     if DTYPE == tl.bfloat16:
         return to_bf16(y)  # the same bits on GPU and in the interpreter (whose fp32 -> bf16 cast truncates)
     else:

@@ -29,8 +29,9 @@ def store_partials(x, mask, n_valid, out_ptr,
             block_mean = block_sum / n_valid.to(x.dtype)
             dev = tl.where(mask, x - block_mean, 0.0)
             tl.store(out_ptr + 2, tl.sum(dev * dev, axis=0).to(tl.float64))
-    if SUMSQ:
-        tl.store(out_ptr + 1, tl.sum(tl.where(mask, x * x, 0.0), axis=0).to(tl.float64))
+    if SUMSQ:  # squares in fp64: no overflow above ~1.8e19 nor underflow below ~1e-19 (CPU torch's double)
+        x64 = tl.where(mask, x, 0.0).to(tl.float64)
+        tl.store(out_ptr + 1, tl.sum(x64 * x64, axis=0))
     if MINMAX:
         is_num = mask & (x == x)
         tl.store(out_ptr + 3, tl.min(tl.where(is_num, x, float("inf")), axis=0).to(tl.float64))
