@@ -8,6 +8,7 @@ Dtypes follow torch's type promotion, computed by running each op on meta tensor
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -325,9 +326,13 @@ class Graph:
         """False when the body leaves the gradient as it is (statistics only)."""
         return self.result.kind != "grad"
 
-    def reductions(self) -> list[Node]:
-        """The live whole-tensor reductions, in program order."""
+    @functools.cached_property
+    def _reductions(self) -> list[Node]:
         return [n for n in self.live_nodes() if n.kind == "op" and is_reduction(n.op, n.args)]
+
+    def reductions(self) -> list[Node]:
+        """The live whole-tensor reductions, in program order (a graph is not changed after lowering)."""
+        return self._reductions
 
     def depth(self, node: Node) -> int:
         """Reduction passes needed before `node` is known: 0 for elementwise values of the inputs."""
@@ -339,6 +344,10 @@ class Graph:
 
     def live_nodes(self) -> list[Node]:
         """Nodes the result depends on, in program order."""
+        return self._live_nodes
+
+    @functools.cached_property
+    def _live_nodes(self) -> list[Node]:
         live, stack = set(), [self.result]
         while stack:
             n = stack.pop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ class Plan:
     levels: reduction passes the body needs before its elementwise pass (0: none).
     passes: reads of the gradient; writes: writes of it; launches: kernel launches per firing;
     bytes_per_element: bytes moved per gradient element (gradient reads + writes + parameter reads).
+    A plan is not changed after make_plan (slots, stat_sets and levels are cached: they are read at every firing).
     numel: the gradient's number of elements (None: any); block, grid: the launch, filled by the runtime.
     """
 
@@ -56,7 +58,7 @@ class Plan:
     def hist_bins(self) -> int:
         return 0 if self.hist_range is None else self.hist_range[1] - self.hist_range[0]
 
-    @property
+    @functools.cached_property
     def slots(self) -> list[tuple[str, str]]:
         """The stats row layout: ("output" | "input", name) per slot; "hist" takes hist_bins slots."""
         out = []
@@ -65,12 +67,12 @@ class Plan:
                 out += [(kind, name)] * (self.hist_bins if name == "hist" else 1)
         return out
 
-    @property
+    @functools.cached_property
     def stat_sets(self) -> list[tuple[str, tuple[str, ...]]]:
         """Statistics sets the kernel reduces, in partials order."""
         return [(kind, names) for kind, names in (("output", self.stats), ("input", self.input_stats)) if names]
 
-    @property
+    @functools.cached_property
     def levels(self) -> int:
         return max((self.graph.depth(n) for n in self.graph.reductions()), default=0)
 

@@ -155,13 +155,14 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
         reference.run(plan, grad, param, scalars, stats_row, amp)
         return
     uses_param = plan.graph.uses_param
-    span = flat_span(grad)
+    # the kernels only take the pointer: a contiguous gradient goes as it is (no view to build)
+    span = grad if grad.is_contiguous() else flat_span(grad)
     work = span
     if span is None or (uses_param and param.stride() != grad.stride()):
         work = grad.contiguous().view(-1)
         pspan = param.contiguous().view(-1) if uses_param else None
     else:
-        pspan = flat_span(param) if uses_param else None
+        pspan = (param if param.is_contiguous() else flat_span(param)) if uses_param else None
     block, grid = launch_config(numel, grad.device.type, module, grad.device)
     args = kernel_args(plan, work, pspan, scalars, stats_row, workspace, grid, amp)
     options = launch_options(module, grad.device, numel, block)

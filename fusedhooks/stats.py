@@ -28,6 +28,7 @@ class HookStats:
         self.names: list[str] = []
         self._fired: list[bool] = []
         self._buffer: torch.Tensor | None = None
+        self._rows: dict[int, torch.Tensor] = {}
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -50,14 +51,18 @@ class HookStats:
                              "needs a hook of its own")
         row = torch.full((1, len(self.slot_names)), math.nan, dtype=torch.float64, device=device)
         self._buffer = row if self._buffer is None else torch.cat([self._buffer, row])
+        self._rows = {}
         self.names.append(name)
         self._fired.append(False)
         return len(self.names) - 1
 
     def row(self, index: int) -> torch.Tensor:
-        """Row `index` of the buffer, marked as fired (a view; the kernel writes into it)."""
+        """Row `index` of the buffer, marked as fired (a view, cached; the kernel writes into it)."""
         self._fired[index] = True
-        return self._buffer[index]
+        row = self._rows.get(index)
+        if row is None:
+            row = self._rows[index] = self._buffer[index]
+        return row
 
     def read(self) -> dict[str, dict[str, float | int]]:
         """{parameter name: {statistic: value}} for every parameter that fired; one device-to-host copy."""

@@ -50,20 +50,25 @@ def size_key(numel: int) -> str:
     return f"2^{max(numel - 1, 1).bit_length()}"
 
 
+_lookups: dict[tuple, dict | None] = {}
+
+
 def load(reload: bool = False) -> dict:
     global _cache
     if _cache is None or reload:
         path = cache_path()
         _cache = json.loads(path.read_text()) if path.exists() else {}
+        _lookups.clear()
     return _cache
 
 
 def lookup(module, device: torch.device) -> dict | None:
-    """The tuned entry for the kernels of `module` (generated, with a DIGEST) on `device`, or None."""
-    digest = getattr(module, "DIGEST", None)
-    if digest is None:
-        return None
-    return load().get(device_key(device), {}).get(digest)
+    """The tuned entry for the kernels of `module` (generated, with a DIGEST) on `device`, or None.
+    Read at every launch: memoised per (kernels, device) until the cache is reloaded."""
+    key = (getattr(module, "DIGEST", None), device)
+    if key not in _lookups:
+        _lookups[key] = None if key[0] is None else load().get(device_key(device), {}).get(key[0])
+    return _lookups[key]
 
 
 def store(device: torch.device, digest: str, entry: dict) -> Path:
