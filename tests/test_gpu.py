@@ -106,3 +106,26 @@ def test_cuda_graph_capture_replays_like_eager():
     for p, q in zip(eager.parameters(), graphed.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert hooks[0].stats.read().keys() == hooks[1].stats.read().keys()
+
+
+def test_no_host_sync_in_a_firing():
+    """torch's sync debug mode raises on any synchronizing call: a firing, a bucket flush and the global clip
+    make none (statistics are read later, in one sync, by stats.read())."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).cuda()
+    hook = fh.grad_hook(lambda grad: grad / (grad.norm() + 1e-6), stats="all", input_stats=("hist",))
+    hook.register(model, bucket_mb=0.01)
+    clip_stats = fh.grad_hook(stats=("norm",))
+    clip_stats.register(model, bucket_mb=0)
+    x = torch.randn(32, 64, device="cuda")
+    model(x).sum().backward()                     # warm up: compile, size the workspaces
+    fh.clip_grad_norm_(clip_stats, 1.0)
+    torch.cuda.synchronize()
+    for p in model.parameters():
+        p.grad = None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(x).sum().backward()
+        fh.clip_grad_norm_(clip_stats, 1.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert hook.stats.read()["0.weight"]["count"] == 64 * 64
