@@ -64,6 +64,9 @@ class _Entry:
     row: int
     checked_shape: tuple | None = None
     bucket_bytes: int = 0  # > 0: processed in buckets of this many gradient bytes (see GradHook._enqueue)
+    #: (data_ptr, _version) of the gradient when the hook last processed it: its statistics row describes that
+    #: gradient only while both are unchanged (zero_grad(set_to_none=False) or any in-place op changes them)
+    measured: tuple | None = None
 
 
 @dataclass
@@ -156,6 +159,7 @@ class GradHook:
         amp = self._amp_tensors(grad.device) if compiled.plan.amp else None
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
                      self._workspace(grad.device), amp)
+        entry.measured = (grad.data_ptr(), grad._version)
 
     def _amp_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, found_inf) for this iteration; marks the optimizer as unscaled in the scaler's books,
@@ -331,6 +335,8 @@ class GradHook:
             amp = self._amp_tensors(device) if plan.amp else None
             runtime.fire_bucket(plan, compiled.kernel, together, self._body.scalars,
                                 self.stats.tensor if plan.slots else None, self._workspace(device), amp)
+            for grad, p, _ in together:
+                self._entries[id(p)].measured = (grad.data_ptr(), grad._version)
 
     def explain(self) -> BackwardPlan:
         """Launches per backward for the tensors this hook is registered on (an upper bound)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.autograd.graph import increment_version
 
 from . import runtime
 from .api import GradHook
@@ -68,9 +69,9 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
 
     Which parameters count: those registered with `hook` whose `.grad` is not None (None is skipped, as torch
     does). Such a parameter must have fired the hook (since registration or `hook.stats.reset()`), or its norm
-    is unknown and ValueError is raised. The recorded norm is the one of the hook's last firing: a gradient
-    changed after the hook fired (or a parameter the last backward did not reach while its old `.grad` was
-    kept, e.g. `zero_grad(set_to_none=False)`) is clipped with its last recorded norm.
+    is unknown and ValueError is raised. A gradient changed or replaced since the hook last measured it (a
+    parameter the last backward did not reach after `zero_grad(set_to_none=False)`, a gradient edited by hand:
+    told by its version counter and address) has its norm computed from the gradient instead (one read of it).
 
     Other norm types (1.0, 3.0, -inf, ...) fall back to computing each parameter's norm from the gradients with
     torch (`torch._foreach_norm` / `torch.linalg.vector_norm`, as torch does): one extra read of every
@@ -109,6 +110,13 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
             values = values.masked_fill(layout.empty_mask, 0.0)
         if transform is not None:
             values = transform(values)
+        stale = _stale(hook)
+        if stale:  # changed since the hook measured them: their recorded norm no longer applies
+            values = values.clone()
+            for g in layout.groups:
+                for k, i in enumerate(g.members):
+                    if i in stale:
+                        values[g.start + k] = torch.linalg.vector_norm(grads[i], norm_type).to(values.dtype)
         norms = [values[g.start:g.stop].to(g.dtype) for g in layout.groups]
     else:
         norms = [_norms_from_grads([grads[i] for i in g.members], g.device, norm_type, foreach)
@@ -136,6 +144,7 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
         if g.table is None:
             g.table = _multi_tensor().build_table(group_grads)
         _multi_tensor().scale_(g.table, coef, round_coef=g.round_coef, launch=runtime.launch)
+        increment_version(group_grads)  # written through raw pointers: tell autograd (and _stale), as mul_ would
         for i in g.table.left_out:  # not dense: scaled by torch (never the case for gradients torch allocates)
             group_grads[i].mul_(coef)
     return total_norm
@@ -155,6 +164,21 @@ def _norm_slot(hook: GradHook, norm_type: float):
         f"clip_grad_norm_ with norm_type={norm_type} uses the {need!r} statistic the hook records during backward, "
         f"but {hook.__name__} records {list(names) or 'no statistics'}: add {need!r} to its stats= "
         f"(e.g. fh.grad_hook(stats=({need!r},)))")
+
+
+def _stale(hook: GradHook) -> set[int]:
+    """Indices (in _collect's order) of gradients changed or replaced since the hook last measured them: a
+    parameter the last backward did not reach after zero_grad(set_to_none=False), or a gradient edited by hand.
+    Their norms are computed from the gradients (one read each) instead of taken from the statistics."""
+    stale, i = set(), 0
+    for entry in hook._entries.values():
+        p = entry.ref()
+        if p is None or p.grad is None:
+            continue
+        if entry.measured != (p.grad.data_ptr(), p.grad._version):
+            stale.add(i)
+        i += 1
+    return stale
 
 
 def _collect(hook: GradHook, need_fired: bool) -> tuple[list[torch.Tensor], tuple]:

@@ -513,3 +513,29 @@ def test_matches_torch_on_cuda(norm_type, monkeypatch):
     assert total.device.type == "cuda" and len(calls) == 3
     assert any(not t.aligned for t, *_ in calls) and any(t.aligned for t, *_ in calls)
     assert_matches_torch(total, expected_total, params, expected, exact=norm_type == INF)
+
+
+def test_norms_of_gradients_changed_since_the_hook_measured_them_are_recomputed(backend):
+    """zero_grad(set_to_none=False) zeroes every .grad; a parameter the next backward does not reach keeps a
+    zero gradient while its statistics row still holds the old norm: that norm must not be used."""
+    a = torch.zeros(100, requires_grad=True)
+    b = torch.zeros(50, requires_grad=True)
+    hook = fh.grad_hook(stats=("norm",), backend=backend)
+    hook.register([a, b])
+    ((a * torch.arange(100.0)).sum() + (b * 1000.0).sum()).backward()
+    for p in (a, b):
+        p.grad.zero_()                              # what zero_grad(set_to_none=False) does
+    (a * torch.arange(100.0)).sum().backward()      # b is not reached: its row still says 1000 * sqrt(50)
+    reference = []
+    for p in (a, b):
+        r = torch.nn.Parameter(torch.zeros_like(p))
+        r.grad = p.grad.clone()
+        reference.append(r)
+    total_ref = torch.nn.utils.clip_grad_norm_(reference, 10.0)
+    total = fh.clip_grad_norm_(hook, 10.0)
+    torch.testing.assert_close(total, total_ref, rtol=1e-6, atol=0)
+    for p, r in zip((a, b), reference):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
+    b.grad.add_(3.0)                                # edited by hand after the hook measured it
+    total = fh.clip_grad_norm_(hook, 1e9)
+    torch.testing.assert_close(total, torch.linalg.vector_norm(torch.cat([a.grad, b.grad])), rtol=1e-6, atol=0)
