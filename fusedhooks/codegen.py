@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .ir import STAT_NAMES, Graph, Node, is_reduction, reduction_spec
+from .ir import COMPARISONS, STAT_NAMES, Graph, Node, computes_in_operand_dtype, is_reduction, reduction_spec
 from .plan import PARTIAL_FLAGS, Plan, partial_flags
 
 KERNEL_NAME = "fused_hook"
@@ -72,9 +72,7 @@ class _Emitter:
         return _convert(self.names[node.index], compute_type(node.dtype), ctype)
 
     def truth(self, node: Node) -> str:
-        if node.kind == "const":
-            return literal(bool(node.value), "tl.int1")
-        return _convert(self.names[node.index], compute_type(node.dtype), "tl.int1")
+        return self.value(node, "tl.int1")
 
     def operand(self, n: Node, key: str, ct: str) -> str:
         """Argument `key` of `n` in compute type `ct`; a scalar operand of a half-precision op is first
@@ -152,7 +150,7 @@ class _Emitter:
             return f"tl.{op}({v('input')}, {v('other')}{nan})"
         if op == "where":
             return f"tl.where({self.truth(a['condition'])}, {v('input')}, {v('other')})"
-        if op in ("eq", "ne", "lt", "le", "gt", "ge"):
+        if op in COMPARISONS:
             sym = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}[op]
             return f"{v('input')} {sym} {v('other')}"
         if op.startswith("logical_"):
@@ -231,17 +229,13 @@ class _Emitter:
                 expr = self.op(n)
                 result_ct = compute_type(n.dtype)
                 op_ct = compute_type(n.op_dtype)
-                if op_ct != result_ct and n.op not in ("eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf",
-                                                        "isfinite") and not n.op.startswith(("logical_", "bitwise_")):
+                if op_ct != result_ct and not computes_in_operand_dtype(n.op):
                     expr = _convert(f"({expr})", op_ct, result_ct)
                 if n.dtype in _ROUND:
                     expr = f"{_ROUND[n.dtype]}({expr})"
             self.lines.append(f"{name} = {expr}")
             self.names[n.index] = name
 
-
-
-_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 
 
 def _rounds_scalar(op: str, key: str, kind: str, device_type: str) -> bool:
@@ -253,7 +247,7 @@ def _rounds_scalar(op: str, key: str, kind: str, device_type: str) -> bool:
     CUDA (from torch's source, gpu_kernel_with_scalars): Python numbers stay fp32; a 0-dim CUDA tensor
     is an ordinary operand, cast to the common dtype.
     """
-    if op not in ("add", "sub", "mul", "div") + _COMPARISONS:
+    if op not in ("add", "sub", "mul", "div") + COMPARISONS:
         return False
     if device_type == "cuda":
         return kind == "scalar"

@@ -185,8 +185,19 @@ def bind(op: str, args: tuple, kwargs: dict) -> dict:
     return dict(bound.arguments)
 
 
+#: comparisons: a bool result, computed in the promoted dtype of the operands
+COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+#: elementwise tests: a bool result, computed in the operand's dtype
+TESTS = ("isnan", "isinf", "isfinite")
+
+
+def computes_in_operand_dtype(op: str) -> bool:
+    """Ops whose operands are not first converted to the result's dtype (comparisons, tests, logic)."""
+    return op in COMPARISONS or op in TESTS or op.startswith(("logical_", "bitwise_"))
+
+
 #: ops that are Python operators: with a number first (`1 - grad`) torch runs the reflected method
-_OPERATOR_OPS = {
+OPERATOR_OPS = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
     "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
     "ge": operator.ge, "bitwise_and": operator.and_, "bitwise_or": operator.or_, "bitwise_xor": operator.xor,
@@ -200,8 +211,8 @@ def eager(op: str, a: dict):
         return _eager_reduction(op, a, x)
     if op in ("max", "min"):
         return torch.maximum(x, a["other"]) if op == "max" else torch.minimum(x, a["other"])
-    if op in _OPERATOR_OPS and a.get("alpha", 1) == 1 and a.get("rounding_mode") is None:
-        return _OPERATOR_OPS[op](x, a["other"])
+    if op in OPERATOR_OPS and a.get("alpha", 1) == 1 and a.get("rounding_mode") is None:
+        return OPERATOR_OPS[op](x, a["other"])
     if op in ("add", "sub"):
         return getattr(torch, op)(x, a["other"], alpha=a["alpha"])
     if op == "div":

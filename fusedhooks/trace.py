@@ -17,12 +17,15 @@ from .ir import (
     DTYPE_ARGS,
     FLOAT_DTYPES,
     NUMBER_ARGS,
+    OPERATOR_OPS,
     OPTION_ARGS,
     REDUCTIONS,
     SIGNATURES,
+    TESTS,
     Graph,
     Node,
     bind,
+    computes_in_operand_dtype,
     eager,
     is_number,
     is_reduction,
@@ -352,8 +355,7 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
                 else:
                     args[k] = arg(v, op)
             if not isinstance(args.get("input"), Node) and op != "where":
-                if op not in ("add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge",
-                              "bitwise_and", "bitwise_or", "bitwise_xor") or not isinstance(args.get("other"), Node):
+                if op not in OPERATOR_OPS or not isinstance(args.get("other"), Node):
                     raise CompileError(f"cannot compile {body.name}: `{op}` needs a tensor argument")
             if op == "pow" and not isinstance(args["input"], Node):
                 raise CompileError(f"cannot compile {body.name}: pow with a tensor exponent is not supported")
@@ -422,11 +424,11 @@ def _op_node(add, op: str, args: dict, metas: dict, body: TracedBody) -> Node:
                 raise CompileError(f"cannot compile {body.name}: {e}") from None
     tensors = [v for v in args.values() if isinstance(v, Node) and v.kind != "const"]
     op_dtype = out.dtype
-    if op in ("eq", "ne", "lt", "le", "gt", "ge", "minimum", "maximum") or op.startswith(("logical_", "bitwise_")):
+    if op in TESTS:
+        op_dtype = tensors[0].dtype
+    elif computes_in_operand_dtype(op) or op in ("minimum", "maximum"):
         operands = [meta_args[k] for k in ("input", "other") if k in meta_args]
         op_dtype = torch.result_type(*operands) if len(operands) == 2 else operands[0].dtype
-    elif op in ("isnan", "isinf", "isfinite"):
-        op_dtype = tensors[0].dtype
     return add("op", out.dtype, full, out, op=op, args=args, op_dtype=op_dtype)
 
 
