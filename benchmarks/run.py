@@ -303,7 +303,10 @@ class ModelStep:
         impl.detach()
         handles = [p.register_post_accumulate_grad_hook(clock.tic) for p in tensors]
         impl.attach(self.env)
-        handles += [p.register_post_accumulate_grad_hook(clock.toc) for p in tensors]
+        # the stop: an AccumulateGrad node hook, which runs after the post-accumulate hooks; a post-accumulate hook
+        # registered after fusedhooks' would make explicit buckets process each gradient at its firing
+        nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in tensors]  # kept alive while timing
+        handles += [node.register_hook(lambda grad_in, grad_out: clock.toc(None)) for node in nodes]
         try:
             yield self.train
         finally:

@@ -69,6 +69,7 @@ class Impl:
     bytes_per_element: float | None = None
     fh_hook: fh.GradHook | None = None
     fh_structure: dict | None = None
+    bucket_mb: float | None = None  # fusedhooks: register(..., bucket_mb=) (None: each gradient at its firing)
     _handles: list = field(default_factory=list)
 
     @property
@@ -76,11 +77,11 @@ class Impl:
         return not self.hooks and self.after is None
 
     def attach(self, env: Env) -> None:
-        """Register the hooks with torch. fusedhooks: `hook.register(params)`, the way users register a model (several
-        tensors are processed in buckets, flushed at the end of backward); its launch count then comes from
-        `hook.explain()`."""
+        """Register the hooks with torch. fusedhooks: `hook.register(params, bucket_mb=self.bucket_mb)`, the way users
+        register a model (by default each gradient processed at its own firing; with bucket_mb, in end-of-backward
+        buckets); its launch count then comes from `hook.explain()`."""
         if self.fh_hook is not None:
-            self._handles.append(self.fh_hook.register(env.params))
+            self._handles.append(self.fh_hook.register(env.params, bucket_mb=self.bucket_mb))
             if len(env.params) > 1:
                 self.fh_structure.update(launches=self.fh_hook.explain().launches_per_backward,
                                          launches_from="hook.explain(): launches per backward (an upper bound)")
@@ -379,9 +380,23 @@ def no_hook(workload: Workload, env: Env) -> Impl:
     return Impl(bytes_per_element=0.0)
 
 
+#: the bucket size of the "fusedhooks buckets" provider (DDP's default bucket size)
+BUCKET_MB = 25
+
+
+def fusedhooks_buckets(workload: Workload, env: Env) -> Impl:
+    """fusedhooks registered with explicit end-of-backward buckets: a model's gradients only."""
+    if len(env.params) < 2:
+        raise NotApplicable("buckets batch the gradients of many parameters: the model step only")
+    impl = workload.fusedhooks(env)
+    impl.bucket_mb = BUCKET_MB
+    return impl
+
+
 #: provider name -> (how it builds an Impl for a workload on an env)
 PROVIDERS: dict[str, Callable[[Workload, Env], Impl]] = {
     "fusedhooks": lambda w, env: w.fusedhooks(env),
+    "fusedhooks buckets": fusedhooks_buckets,
     "eager": lambda w, env: w.eager(env),
     "eager+item": lambda w, env: w.eager(env, sync=True),
     "torch built-in": lambda w, env: w.builtin(env),

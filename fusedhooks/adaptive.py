@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from .api import GradHook, RegistrationHandle, _check_param
+from .api import GradHook, RegistrationHandle, _check_param, named_tensors
 
 
 def _adagc_body(state: torch.Tensor, ratio: float, max_norm: float, warmup_steps: int):
@@ -52,43 +53,52 @@ class AdaptiveClip:
         self._states: dict[str, torch.Tensor] = {}
 
     def register(self, target, name: str | None = None) -> RegistrationHandle:
-        """Register on a leaf Tensor, an nn.Module or an iterable of them (as GradHook.register)."""
-        probe = GradHook(stats=("norm",), backend=self.backend)
-        if isinstance(target, torch.Tensor):
-            pairs = [(name or f"param{len(self._hooks)}", target)]
-        else:
-            pairs = list(probe._targets(target, name))
+        """Register on a leaf Tensor, an nn.Module or an iterable of them (as GradHook.register), all or
+        nothing. Each tensor gets its own compiled hook (its state is a closed-over device tensor), registered
+        through `GradHook.register`, and an update of its state right after it."""
+        pairs = list(named_tensors(target, name, lambda taken: f"param{len(self._hooks) + len(taken)}"))
+        names = set()
         for pname, t in pairs:
             _check_param(pname, t)
-            if pname in self._hooks:
-                raise ValueError(f"{pname!r} is already registered with this adaptive clip")
-        handle = RegistrationHandle(probe)
-        for pname, t in pairs:
-            state = torch.tensor([math.inf, 0.0], dtype=torch.float32, device=t.device)
-            hook = GradHook(_adagc_body(state, self.ratio, self.max_norm, self.warmup_steps), stats=("norm",),
-                            input_stats=("norm",), backend=self.backend)
-            hook._add(pname, t)
-            self._hooks[pname], self._states[pname] = hook, state
-            handle._add(t, t.register_post_accumulate_grad_hook(self._firing(hook, state)))
+            if pname in self._hooks or pname in names:
+                raise ValueError(f"{pname!r} is already registered with this adaptive clip; pass a different name=")
+            names.add(pname)
+        handle = RegistrationHandle(self)
+        try:
+            for pname, t in pairs:
+                state = torch.tensor([math.inf, 0.0], dtype=torch.float32, device=t.device)
+                hook = GradHook(_adagc_body(state, self.ratio, self.max_norm, self.warmup_steps), stats=("norm",),
+                                input_stats=("norm",), backend=self.backend)
+                handle._extend(hook.register(t, name=pname))
+                self._hooks[pname], self._states[pname] = hook, state
+                handle._on_remove.append(functools.partial(self._forget, pname, hook))
+                handle._add(t, t.register_post_accumulate_grad_hook(self._update(hook, state)))
+        except BaseException:
+            handle.remove()
+            raise
         return handle
 
-    def _firing(self, hook: GradHook, state: torch.Tensor):
+    def _forget(self, pname: str, hook: GradHook) -> None:
+        if self._hooks.get(pname) is hook:
+            del self._hooks[pname], self._states[pname]
+
+    def _update(self, hook: GradHook, state: torch.Tensor):
+        """The state update, a torch hook registered right after `hook` (so it runs after its kernel)."""
         beta = self.beta
         warmup = self.warmup_steps
         slot = hook.stats.slot_names.index("norm")
+        row = len(hook.stats.names) - 1  # hook is registered on this one tensor
 
-        def fire(param: torch.Tensor) -> None:
+        def update(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
-            hook(param)
-            row = hook.stats.row(hook._entries[id(param)].row)
-            clipped = row[slot].to(torch.float32)
+            clipped = hook.stats.tensor[row, slot].to(torch.float32)
             gamma, step = state[0], state[1]
             updated = torch.where(step < warmup, torch.minimum(gamma, clipped), beta * gamma + (1 - beta) * clipped)
             gamma.copy_(updated)
             step.add_(1)
 
-        return fire
+        return update
 
     def state(self, name: str) -> torch.Tensor:
         """The device tensor [gamma, step] of parameter `name` (float32)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -11,9 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from . import codegen, runtime
+from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
-from .layout import flat_span
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
+from .registry import Entry, Registry
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
 
@@ -40,33 +43,28 @@ def _parse_stats(option, what: str) -> tuple[str, ...]:
     return tuple(sorted(set(names), key=order.get))  # the stats row layout follows STAT_NAMES
 
 
-#: Bucket size of a multi-tensor registration, in MB of gradients. Not yet measured on a GPU (no GPU run so
-#: far): 25 MB, DDP's default, amortises a launch over microseconds of memory traffic.
-DEFAULT_BUCKET_MB = 25
-
-
 def _parse_hist_range(hist_range) -> tuple[int, int]:
     if hist_range is None:
         return DEFAULT_HIST_RANGE
+    if not (isinstance(hist_range, (tuple, list)) and len(hist_range) == 2
+            and all(isinstance(e, int) and not isinstance(e, bool) for e in hist_range)):
+        raise ValueError(f"hist_range= takes two integer exponents (lo, hi), bins of floor(log2|g|) from lo to "
+                         f"hi - 1; got {hist_range!r}")
     lo, hi = hist_range
-    if not (isinstance(lo, int) and isinstance(hi, int) and -126 <= lo < hi <= 128):
+    if not -126 <= lo < hi <= 128:
         raise ValueError(f"hist_range=(lo, hi) takes integer exponents with -126 <= lo < hi <= 128 "
                          f"(bins of floor(log2|g|)); got {hist_range!r}")
     return lo, hi
 
 
-@dataclass
-class _Entry:
-    """A parameter this hook fires on: a weak reference and its stats row."""
-
-    ref: weakref.ref
-    name: str
-    row: int
-    checked_shape: tuple | None = None
-    bucket_bytes: int = 0  # > 0: processed in buckets of this many gradient bytes (see GradHook._enqueue)
-    #: (data_ptr, _version) of the gradient when the hook last processed it: its statistics row describes that
-    #: gradient only while both are unchanged (zero_grad(set_to_none=False) or any in-place op changes them)
-    measured: tuple | None = None
+def _parse_bucket_mb(bucket_mb) -> int:
+    """bucket_mb= of register(): None or 0 -> 0 (each gradient at its own firing), else bytes per bucket."""
+    if bucket_mb is None:
+        return 0
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 <= bucket_mb < math.inf:
+        raise ValueError(f"bucket_mb= takes a finite number of MB >= 0 (0 or None: each gradient is processed at "
+                         f"its own firing), not {bucket_mb!r}")
+    return max(int(bucket_mb * 2**20), 1) if bucket_mb > 0 else 0
 
 
 @dataclass
@@ -81,9 +79,11 @@ class BackwardPlan:
 
 
 @dataclass
-class _Compiled:
+class Compiled:
+    """A hook's plan for one (dtype, device) and its generated kernels (None for the reference backend)."""
+
     plan: Plan
-    kernel: object  # the @triton.jit kernel, or None for the reference backend
+    kernel: object
 
 
 class GradHook:
@@ -112,18 +112,16 @@ class GradHook:
         self.scaler, self.optimizer = scaler, optimizer
         self._found_inf: dict[torch.device, torch.Tensor] = {}
         self._paused = False
-        self._flush_queued = False
-        self._pending: dict[tuple, dict[int, torch.Tensor]] = {}
-        self._pending_bytes: dict[tuple, int] = {}
         if fn is not None and not callable(fn):
             raise TypeError(f"grad_hook takes a function, not {type(fn).__name__}")
         self._body: TracedBody = trace(fn if fn is not None else _identity)
         lower(self._body, torch.float32)  # every "cannot compile" error surfaces now, at decoration
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
+        self.registry = Registry(self.stats)
+        self._buckets = Buckets(self)
         self._graphs: dict[torch.dtype, Graph] = {}
-        self._compiled: dict[tuple, _Compiled] = {}
-        self._entries: dict[int, _Entry] = {}
-        self._workspaces: dict[torch.device, runtime.Workspace] = {}
+        self._compiled: dict[tuple, Compiled] = {}
+        self._workspaces: dict[tuple, runtime.Workspace] = {}
         if fn is not None:
             functools.update_wrapper(self, fn, updated=())
         else:
@@ -134,7 +132,7 @@ class GradHook:
     def __call__(self, arg):
         if isinstance(arg, torch.Tensor):
             if not self._paused:
-                self._fire(arg)
+                self.fire(arg)
             return None
         if self.fn is None and callable(arg):
             return GradHook(arg, stats=self.stat_names, input_stats=self.input_stat_names, backend=self.backend,
@@ -142,26 +140,38 @@ class GradHook:
         raise TypeError(f"a compiled hook is called with a parameter tensor (as torch does), not "
                         f"{type(arg).__name__}")
 
-    def _fire(self, param: torch.Tensor) -> None:
+    def fire(self, param: torch.Tensor, entry: Entry | None = None, backward_key: int | None = None) -> None:
+        """Process `param.grad` now, in place, and record its statistics (one firing).
+
+        entry: its registration (looked up, or made for a tensor registered through torch directly);
+        backward_key: the autograd graph task the firing belongs to (default: the current one). When `.grad`
+        itself requires grad (backward(create_graph=True)) the body runs as eager torch ops that autograd
+        records, as an eager hook's would, instead of a kernel writing behind autograd's back."""
         grad = param.grad
         if grad is None:
             return
-        entry = self._entries.get(id(param))
-        if entry is None or entry.ref() is not param:
-            entry = self._add(self._auto_name(), param)  # registered through torch directly
-        compiled = self._compiled.get((grad.dtype, grad.device))
-        if compiled is None:
-            compiled = self._compile(grad.dtype, grad.device)
+        if entry is None:
+            entry = self.registry.get(param) or self._add(self._auto_name(), param)
+        self.stats.begin_firing(torch._C._current_graph_task_id() if backward_key is None else backward_key)
+        if grad.requires_grad:
+            compiled = self._compiled_for_autograd(grad.dtype)
+        else:
+            compiled = self.compiled(grad.dtype, grad.device)
         if entry.checked_shape != grad.shape:
             self._check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
         stats_row = self.stats.row(entry.row) if compiled.plan.slots else None
-        amp = self._amp_tensors(grad.device) if compiled.plan.amp else None
+        amp = self.amp_tensors(grad.device) if compiled.plan.amp else None
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
-                     self._workspace(grad.device), amp)
-        entry.measured = (grad.data_ptr(), grad._version)
+                     self.workspace(grad.device), amp)
+        entry.record(grad)
 
-    def _amp_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def scalars(self) -> list[torch.Tensor]:
+        """The 0-dim tensors the body closes over, in kernel-argument order (read at every firing)."""
+        return self._body.scalars
+
+    def amp_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, found_inf) for this iteration; marks the optimizer as unscaled in the scaler's books,
         as scaler.unscale_(optimizer) would, so that scaler.step() neither unscales again nor steps on
         NaN/Inf, and scaler.update() backs off as usual. Host bookkeeping only: no sync."""
@@ -189,7 +199,7 @@ class GradHook:
         return scaler._scale, found
 
     def _check_covers_optimizer(self) -> None:
-        registered = {id(e.ref()) for e in self._entries.values() if e.ref() is not None}
+        registered = {id(e.tensor) for e in self.registry}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad and id(p) not in registered:
@@ -206,7 +216,11 @@ class GradHook:
             self._graphs[dtype] = graph
         return graph
 
-    def _compile(self, dtype: torch.dtype, device: torch.device) -> _Compiled:
+    def compiled(self, dtype: torch.dtype, device: torch.device) -> Compiled:
+        """The plan and kernels for gradients of `dtype` on `device` (compiled on first use, then cached)."""
+        compiled = self._compiled.get((dtype, device))
+        if compiled is not None:
+            return compiled
         for i, s in enumerate(self._body.scalars):
             if s.device != device and not (device.type == "cpu" and s.device.type == "cpu"):
                 raise ValueError(f"{self.__name__}: closed-over tensor {i} is on {s.device} but the gradient is on "
@@ -215,8 +229,16 @@ class GradHook:
         plan = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, backend=backend,
                          amp=self._amp, hist_range=self.hist_range)
         kernel = codegen.load(codegen.generate(plan, device.type)) if backend == "triton" else None
-        compiled = _Compiled(plan, kernel)
-        self._compiled[(dtype, device)] = compiled
+        compiled = self._compiled[(dtype, device)] = Compiled(plan, kernel)
+        return compiled
+
+    def _compiled_for_autograd(self, dtype: torch.dtype) -> Compiled:
+        """The reference plan: eager torch ops, recorded by autograd when `.grad` requires grad."""
+        compiled = self._compiled.get((dtype, "autograd"))
+        if compiled is None:
+            plan = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, backend="reference",
+                             amp=self._amp, hist_range=self.hist_range)
+            compiled = self._compiled[(dtype, "autograd")] = Compiled(plan, None)
         return compiled
 
     def _check_shape(self, name: str, t: torch.Tensor) -> None:
@@ -225,10 +247,14 @@ class GradHook:
             raise CompileError(f"{self.__name__}: the body's result has shape {result_shape}, which does not "
                                f"broadcast to the gradient of {name} (shape {tuple(t.shape)})")
 
-    def _workspace(self, device: torch.device) -> runtime.Workspace:
-        ws = self._workspaces.get(device)
+    def workspace(self, device: torch.device) -> runtime.Workspace:
+        """This thread's scratch on `device` (concurrent backwards in other threads use their own)."""
+        key = (device, threading.get_ident())
+        ws = self._workspaces.get(key)
         if ws is None:
-            ws = self._workspaces[device] = runtime.Workspace(device)
+            if len(self._workspaces) > 64:  # threads come and go: keep the cache small
+                self._workspaces.clear()
+            ws = self._workspaces[key] = runtime.Workspace(device)
         return ws
 
     # --- registration -----------------------------------------------------------------------------
@@ -239,23 +265,27 @@ class GradHook:
         target: a leaf Tensor that requires grad (keyed by `name`, or "param<i>"), an nn.Module (every
         parameter with requires_grad; `name` prefixes their names), or an iterable of Tensors or
         (name, Tensor) pairs. Returns a handle with `remove()`, also a context manager.
-        Everything is checked before anything is registered.
+        All or nothing: everything is checked before anything is registered, and an error leaves nothing
+        registered.
 
-        bucket_mb: several tensors (a module, an iterable) are processed in buckets: gradients are
-        collected in backward order and each bucket of about `bucket_mb` MB (default DEFAULT_BUCKET_MB)
-        goes in one launch per pass; what is left is processed when backward ends, so `.grad` is final
-        when `backward()` returns. 0 processes each gradient at its own firing. A single tensor is never
-        bucketed.
+        By default (bucket_mb None or 0) each gradient is processed at its own firing, exactly where an eager
+        torch hook would run. bucket_mb > 0 (a module or an iterable) opts into end-of-backward buckets:
+        gradients are collected in backward order and each bucket of about `bucket_mb` MB goes in one launch
+        per pass; what is left is processed when backward ends, so `.grad` is final when `backward()`
+        returns, but not yet when hooks that run after ours during backward see it. A tensor with a
+        post-accumulate hook registered after ours is still processed at its own firing; AccumulateGrad
+        node hooks (DDP's reducer, for one) cannot be seen from Python and do see the unprocessed gradient.
+        A single tensor is never bucketed.
         """
-        if bucket_mb is not None and not (isinstance(bucket_mb, (int, float)) and bucket_mb >= 0):
-            raise ValueError(f"bucket_mb must be a number >= 0, not {bucket_mb!r}")
+        bucket_bytes = _parse_bucket_mb(bucket_mb) if not isinstance(target, torch.Tensor) else 0
         pairs = list(self._targets(target, name))
         seen, names = set(), set()
-        active = {e.name for e in self._entries.values() if e.ref() is not None}
+        active = self.registry.names()
+        first_device = next((t.device for _, t in pairs if isinstance(t, torch.Tensor)), None)
         for pname, t in pairs:
             _check_param(pname, t)
-            entry = self._entries.get(id(t))
-            if entry is not None and entry.ref() is t:
+            entry = self.registry.get(t)
+            if entry is not None:
                 raise ValueError(f"{entry.name!r} is already registered with this hook (the same tensor)")
             if id(t) in seen:
                 raise ValueError(f"{pname}: this tensor is already registered in this same register() call")
@@ -264,87 +294,42 @@ class GradHook:
                                  "pass a different name=")
             seen.add(id(t))
             names.add(pname)
-            self._compile(t.dtype, t.device) if (t.dtype, t.device) not in self._compiled else None
+            self.compiled(t.dtype, t.device)
             self._check_shape(pname, t)
-            if self.stats.device is not None and self.stats.device != t.device and self.stats.slot_names:
+            stats_device = self.stats.device or first_device
+            if self.stats.slot_names and t.device != stats_device:
                 raise ValueError(f"{pname} is on {t.device} but this hook records statistics on "
-                                 f"{self.stats.device}; register parameters of another device with another hook")
+                                 f"{stats_device}; register parameters of another device with another hook")
         handle = RegistrationHandle(self)
-        bucketed = not isinstance(target, torch.Tensor) and bucket_mb != 0
-        bucket_bytes = int((DEFAULT_BUCKET_MB if bucket_mb is None else bucket_mb) * 2**20) if bucketed else 0
-        for pname, t in pairs:
-            entry = self._add(pname, t)
-            entry.checked_shape = t.shape  # checked above
-            entry.bucket_bytes = max(bucket_bytes, 1) if bucketed else 0
-            handle._add(t, t.register_post_accumulate_grad_hook(self._enqueue if bucketed else self))
+        added = []
+        try:
+            for pname, t in pairs:
+                entry = self._add(pname, t)
+                added.append(entry)
+                entry.checked_shape = t.shape  # checked above
+                entry.bucket_bytes = bucket_bytes
+                torch_handle = t.register_post_accumulate_grad_hook(self._bucketed(entry) if bucket_bytes else self)
+                entry.torch_hook_id = torch_handle.id
+                handle._add(t, torch_handle, self.registry)
+        except BaseException:
+            handle.remove()
+            self.registry.discard(added)
+            raise
         return handle
 
-    # --- buckets ----------------------------------------------------------------------------------
-
-    def _enqueue(self, param: torch.Tensor) -> None:
-        """The torch hook of a bucketed parameter: collect its gradient; launch when the bucket is full."""
-        if self._paused or param.grad is None:
-            return
-        if not self._flush_queued:
-            try:  # run _flush_all once this backward has written every .grad
-                torch.autograd.Variable._execution_engine.queue_callback(self._flush_all)
-            except RuntimeError:  # not inside a backward (called by hand): process it now
-                self._fire(param)
-                return
-            self._flush_queued = True
-        grad = param.grad
-        key = (grad.device, grad.dtype)
-        bucket = self._pending.setdefault(key, {})
-        if id(param) in bucket:  # fired again in this backward (reentrant checkpointing): processed once
-            return
-        bucket[id(param)] = param
-        self._pending_bytes[key] = self._pending_bytes.get(key, 0) + grad.numel() * grad.element_size()
-        entry = self._entries.get(id(param))
-        if entry is not None and self._pending_bytes[key] >= entry.bucket_bytes:
-            self._flush(key)
-
-    def _flush_all(self) -> None:
-        self._flush_queued = False
-        for key in list(self._pending):
-            self._flush(key)
-
-    def _flush(self, key) -> None:
-        """Process the pending gradients of (device, dtype) `key`: one launch per pass for those that can
-        share it, the others (empty, not dense, another backend) one by one."""
-        params = list(self._pending.pop(key, {}).values())
-        self._pending_bytes.pop(key, None)
-        if not params:
-            return
-        device, dtype = key
-        compiled = self._compiled.get(key) or self._compile(dtype, device)
-        plan, together = compiled.plan, []
-        for p in params:
-            entry = self._entries.get(id(p))
-            grad = p.grad
-            if entry is None or entry.ref() is not p or grad is None:
-                continue
-            shareable = (plan.backend == "triton" and grad.numel() > 0 and flat_span(grad) is not None
-                         and entry.checked_shape == grad.shape
-                         and (not plan.graph.uses_param or (p.stride() == grad.stride() and flat_span(p) is not None)))
-            if shareable:
-                together.append((grad, p, entry.row))
-                self.stats.row(entry.row)  # marks it fired
-            else:
-                self._fire(p)
-        if together:
-            amp = self._amp_tensors(device) if plan.amp else None
-            runtime.fire_bucket(plan, compiled.kernel, together, self._body.scalars,
-                                self.stats.tensor if plan.slots else None, self._workspace(device), amp)
-            for grad, p, _ in together:
-                self._entries[id(p)].measured = (grad.data_ptr(), grad._version)
+    def _bucketed(self, entry: Entry):
+        """The torch hook of a tensor registered with bucket_mb > 0."""
+        def enqueue(param: torch.Tensor) -> None:
+            if not self._paused:
+                self._buckets.enqueue(entry, param)
+        return enqueue
 
     def explain(self) -> BackwardPlan:
         """Launches per backward for the tensors this hook is registered on (an upper bound)."""
         groups: dict[tuple, list] = {}
-        for e in self._entries.values():
-            t = e.ref()
-            if t is not None:
-                groups.setdefault((t.device, t.dtype, e.bucket_bytes), []).append(t)
+        for e in self.registry:
+            t = e.tensor
+            groups.setdefault((t.device, t.dtype, e.bucket_bytes), []).append(t)
         lines, total = [], 0
         for (device, dtype, bucket_bytes), tensors in groups.items():
             plan = self.plan(numel=1 << 30, dtype=dtype, device=device)
@@ -353,10 +338,10 @@ class GradHook:
             if bucket_bytes:
                 buckets = nbytes // bucket_bytes + 1
                 launches = buckets * passes
-                how = f"at most {buckets} bucket(s) of {bucket_bytes / 2**20:g} MB x {passes} pass(es)"
+                how = f"at most {buckets} end-of-backward bucket(s) of {bucket_bytes / 2**20:g} MB x {passes} pass(es)"
             else:
                 launches = sum(self.plan(numel=t.numel(), dtype=dtype, device=device).launches for t in tensors)
-                how = "one firing per tensor"
+                how = "each processed at its own firing"
             total += launches
             lines.append(f"  {device} {str(dtype).removeprefix('torch.')}: {len(tensors)} tensors, "
                          f"{nbytes / 2**20:.2f} MB of gradients, {how}: <= {launches} launches")
@@ -366,7 +351,8 @@ class GradHook:
     @contextlib.contextmanager
     def paused(self):
         """Within this block the hook does nothing (gradient accumulation: clip and record statistics once,
-        on the accumulated gradient of the last micro-batch, outside the block)."""
+        on the accumulated gradient of the last micro-batch, outside the block). It pauses the hook object,
+        for every thread."""
         previous, self._paused = self._paused, True
         try:
             yield self
@@ -374,24 +360,7 @@ class GradHook:
             self._paused = previous
 
     def _targets(self, target, name):
-        if isinstance(target, torch.nn.Module):
-            prefix = f"{name}." if name else ""
-            yield from ((prefix + n, p) for n, p in target.named_parameters() if p.requires_grad)
-        elif isinstance(target, torch.Tensor):
-            yield (name or self._auto_name(), target)
-        elif isinstance(target, Iterable) and not isinstance(target, (str, bytes)):
-            taken = []
-            for item in target:
-                if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-                    yield item
-                elif isinstance(item, torch.Tensor):
-                    taken.append(self._auto_name(taken))
-                    yield (taken[-1], item)
-                else:
-                    raise TypeError(f"register() takes Tensors or (name, Tensor) pairs; got {type(item).__name__}")
-        else:
-            raise TypeError(f"register() takes a Tensor, an nn.Module or an iterable of them, "
-                            f"not {type(target).__name__}")
+        return named_tensors(target, name, self._auto_name)
 
     def _auto_name(self, taken=()) -> str:
         """"param<i>": i counts registrations, skipping names already in use."""
@@ -400,20 +369,9 @@ class GradHook:
             i += 1
         return f"param{i}"
 
-    def _add(self, name: str, t: torch.Tensor) -> _Entry:
+    def _add(self, name: str, t: torch.Tensor) -> Entry:
         _check_param(name, t)
-        if name in self.stats.names and not any(e.name == name for e in self._entries.values()):
-            row = self.stats.names.index(name)  # a parameter registered again after remove()
-        else:
-            row = self.stats.add_row(name, t.device)
-        entry = _Entry(weakref.ref(t), name, row)
-        self._entries[id(t)] = entry
-        return entry
-
-    def _remove(self, t: torch.Tensor) -> None:
-        entry = self._entries.get(id(t))
-        if entry is not None and entry.ref() is t:
-            del self._entries[id(t)]
+        return self.registry.add(name, t)
 
     # --- introspection ----------------------------------------------------------------------------
 
@@ -423,7 +381,7 @@ class GradHook:
         backend = runtime.choose_backend(device, self.backend)
         module = None
         if backend == "triton" and numel and runtime.tuning.cache_path().exists():  # a tuned BLOCK applies
-            module = (self._compiled.get((dtype, device)) or self._compile(dtype, device)).kernel
+            module = self.compiled(dtype, device).kernel
         block = runtime.launch_config(numel, device.type, module, device)[0] if numel else None
         return make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, numel, backend,
                          amp=self._amp, hist_range=self.hist_range, block=block)
@@ -440,7 +398,31 @@ class GradHook:
 
     def __repr__(self) -> str:
         return (f"<fusedhooks.GradHook {self.__name__} stats={list(self.stat_names)} "
-                f"input_stats={list(self.input_stat_names)} on {len(self._entries)} tensors>")
+                f"input_stats={list(self.input_stat_names)} on {len(self.registry)} tensors>")
+
+
+def named_tensors(target, name: str | None, auto_name):
+    """(name, tensor) pairs of a register() target: a Tensor (`name`, or auto_name(())), an nn.Module (its
+    parameters with requires_grad, `name` as a prefix) or an iterable of Tensors (auto_name(names so far))
+    and (name, Tensor) pairs. Not checked here (see _check_param)."""
+    if isinstance(target, torch.nn.Module):
+        prefix = f"{name}." if name else ""
+        yield from ((prefix + n, p) for n, p in target.named_parameters() if p.requires_grad)
+    elif isinstance(target, torch.Tensor):
+        yield (name or auto_name(()), target)
+    elif isinstance(target, Iterable) and not isinstance(target, (str, bytes)):
+        taken = []
+        for item in target:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                yield item
+            elif isinstance(item, torch.Tensor):
+                taken.append(auto_name(taken))
+                yield (taken[-1], item)
+            else:
+                raise TypeError(f"register() takes Tensors or (name, Tensor) pairs; got {type(item).__name__}")
+    else:
+        raise TypeError(f"register() takes a Tensor, an nn.Module or an iterable of them, "
+                        f"not {type(target).__name__}")
 
 
 def _check_param(name: str, t) -> None:
@@ -453,6 +435,9 @@ def _check_param(name: str, t) -> None:
                                                          torch.float64):
         raise TypeError(f"{name}: dtype {t.dtype} is not supported; gradients must be float16, bfloat16, "
                         "float32 or float64")
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: is a meta tensor (no data, so no gradient to process); register the hook "
+                         "after the module is materialized (module.to_empty(device=...) and loading its weights)")
     if not t.requires_grad:
         raise ValueError(f"{name}: cannot register a hook on a tensor that doesn't require grad")
     if not t.is_leaf:
@@ -463,24 +448,43 @@ def _check_param(name: str, t) -> None:
 class RegistrationHandle:
     """What `register` returns: `remove()` stops the hook on those tensors; usable as a context manager."""
 
-    def __init__(self, hook: GradHook):
+    def __init__(self, hook):
         self.hook = hook
-        self._items: list[tuple[weakref.ref, object]] = []
+        self._items: list[tuple[weakref.ref, object, Registry | None]] = []
+        self._on_remove: list = []
 
-    def _add(self, t: torch.Tensor, torch_handle) -> None:
-        self._items.append((weakref.ref(t), torch_handle))
+    def _add(self, t: torch.Tensor, torch_handle, registry: Registry | None = None) -> None:
+        """Track a torch hook handle on `t`; `registry`: where `t` is registered, forgotten at remove()."""
+        self._items.append((weakref.ref(t), torch_handle, registry))
+
+    def _extend(self, other: RegistrationHandle) -> None:
+        """Take over everything `other` would remove."""
+        self._items += other._items
+        self._on_remove += other._on_remove
+        other._items, other._on_remove = [], []
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [t for ref, _ in self._items if (t := ref()) is not None]
+        seen, out = set(), []
+        for ref, _, _ in self._items:
+            t = ref()
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+        return out
 
     def remove(self) -> None:
-        for ref, torch_handle in self._items:
+        """Stop the hook on these tensors: later firings only (a gradient already waiting in an end-of-backward
+        bucket of the running backward is still processed)."""
+        for ref, torch_handle, registry in self._items:
             torch_handle.remove()
             t = ref()
-            if t is not None:
-                self.hook._remove(t)
+            if t is not None and registry is not None:
+                registry.remove(t)
+        for fn in self._on_remove:
+            fn()
         self._items.clear()
+        self._on_remove.clear()
 
     def __enter__(self) -> RegistrationHandle:
         return self
@@ -489,7 +493,7 @@ class RegistrationHandle:
         self.remove()
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.tensors)
 
 
 def grad_hook(fn=None, *, stats=(), input_stats=(), backend: str | None = None, scaler=None, optimizer=None,

@@ -13,6 +13,7 @@ from torch.autograd.graph import increment_version
 
 from . import runtime
 from .api import GradHook
+from .registry import Entry, Measurement
 
 if TYPE_CHECKING:  # importing the kernels imports triton: keep `import fusedhooks` free of it, so that
     from .kernels import multi_tensor  # TRITON_INTERPRET can still be set after importing the package
@@ -71,7 +72,13 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     does). Such a parameter must have fired the hook (since registration or `hook.stats.reset()`), or its norm
     is unknown and ValueError is raised. A gradient changed or replaced since the hook last measured it (a
     parameter the last backward did not reach after `zero_grad(set_to_none=False)`, a gradient edited by hand:
-    told by its version counter and address) has its norm computed from the gradient instead (one read of it).
+    told by the gradient tensor itself and its version counter, never by its address, which the allocator reuses)
+    has its norm computed from the gradient instead (one read of it).
+
+    Versions: the Triton scale bumps every gradient's version counter, as `mul_` would, except with
+    max_norm=inf, where the coefficient is 1 (nothing is written) or NaN (a non-finite total norm, as in torch:
+    every gradient becomes NaN); the gradients then stay described by the recorded norms times that
+    coefficient, so calling clip_grad_norm_ again reads no gradient.
 
     Other norm types (1.0, 3.0, -inf, ...) fall back to computing each parameter's norm from the gradients with
     torch (`torch._foreach_norm` / `torch.linalg.vector_norm`, as torch does): one extra read of every
@@ -96,7 +103,7 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     max_norm = float(max_norm)
     norm_type = float(norm_type)
     slot, transform = _norm_slot(hook, norm_type)
-    grads, key = _collect(hook, need_fired=slot is not None)
+    grads, entries, key = _collect(hook, need_fired=slot is not None)
     if not grads:
         return torch.zeros((), device=hook.stats.device or "cpu")
     per_hook = _layouts.setdefault(hook, {})
@@ -110,13 +117,7 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
             values = values.masked_fill(layout.empty_mask, 0.0)
         if transform is not None:
             values = transform(values)
-        stale = _stale(hook)
-        if stale:  # changed since the hook measured them: their recorded norm no longer applies
-            values = values.clone()
-            for g in layout.groups:
-                for k, i in enumerate(g.members):
-                    if i in stale:
-                        values[g.start + k] = torch.linalg.vector_norm(grads[i], norm_type).to(values.dtype)
+        values = _refresh(values, layout, grads, entries, norm_type)
         norms = [values[g.start:g.stop].to(g.dtype) for g in layout.groups]
     else:
         norms = [_norms_from_grads([grads[i] for i in g.members], g.device, norm_type, foreach)
@@ -131,6 +132,10 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
 
     clip_coef = max_norm / (total_norm + 1e-6)
     clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
+    # with max_norm=inf the coefficient is 1, or NaN when the total norm is not finite: the gradients are then
+    # exactly their measured values times it, so a later call needs no re-read
+    exact_coef = max_norm == math.inf
+    described = [e.measured is not None and e.measured.describes(g) for e, g in zip(entries, grads)]
     for g in layout.groups:
         coef = clip_coef_clamped.to(g.device)
         group_grads = [grads[i] for i in g.members]
@@ -144,9 +149,16 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
         if g.table is None:
             g.table = _multi_tensor().build_table(group_grads)
         _multi_tensor().scale_(g.table, coef, round_coef=g.round_coef, launch=runtime.launch)
-        increment_version(group_grads)  # written through raw pointers: tell autograd (and _stale), as mul_ would
+        if not exact_coef:  # written through raw pointers: tell autograd (and later calls), as mul_ would
+            increment_version(group_grads)
         for i in g.table.left_out:  # not dense: scaled by torch (never the case for gradients torch allocates)
             group_grads[i].mul_(coef)
+    if exact_coef:
+        for entry, grad, was_described in zip(entries, grads, described):
+            if was_described:
+                entry.measured = Measurement(entry.measured.grad, grad._version,
+                                             clip_coef_clamped if entry.measured.coef is None
+                                             else entry.measured.coef * clip_coef_clamped)
     return total_norm
 
 
@@ -166,39 +178,51 @@ def _norm_slot(hook: GradHook, norm_type: float):
         f"(e.g. fh.grad_hook(stats=({need!r},)))")
 
 
-def _stale(hook: GradHook) -> set[int]:
-    """Indices (in _collect's order) of gradients changed or replaced since the hook last measured them: a
-    parameter the last backward did not reach after zero_grad(set_to_none=False), or a gradient edited by hand.
-    Their norms are computed from the gradients (one read each) instead of taken from the statistics."""
-    stale, i = set(), 0
-    for entry in hook._entries.values():
-        p = entry.ref()
-        if p is None or p.grad is None:
-            continue
-        if entry.measured != (p.grad.data_ptr(), p.grad._version):
-            stale.add(i)
-        i += 1
-    return stale
+def _refresh(values: torch.Tensor, layout: _Layout, grads: list[torch.Tensor], entries: list[Entry],
+             norm_type: float) -> torch.Tensor:
+    """The recorded norms (float64, in layout order), made current: a gradient that is not the one the hook
+    measured (another tensor object, or changed in place since: a parameter the last backward did not reach
+    after zero_grad(set_to_none=False), a gradient edited by hand) has its norm computed from the gradient
+    (one read of it); one that an earlier call multiplied by an exact coefficient gets the recorded norm times
+    it."""
+    recompute, rescale = [], {}
+    for g in layout.groups:
+        for k, i in enumerate(g.members):
+            measured = entries[i].measured
+            if measured is None or not measured.describes(grads[i]):
+                recompute.append((g.start + k, i))
+            elif measured.coef is not None and grads[i].numel():
+                rescale.setdefault(id(measured.coef), (measured.coef, []))[1].append(g.start + k)
+    if not recompute and not rescale:
+        return values
+    values = values.clone()
+    for position, i in recompute:
+        values[position] = torch.linalg.vector_norm(grads[i], norm_type).to(values.dtype)
+    for coef, positions in rescale.values():
+        index = torch.tensor(positions, device=values.device)
+        values[index] = values[index] * coef.to(values.device, values.dtype)
+    return values
 
 
-def _collect(hook: GradHook, need_fired: bool) -> tuple[list[torch.Tensor], tuple]:
-    """The gradients that count (registration order) and the key telling whether a cached layout still fits."""
-    fired = hook.stats._fired
-    grads, key = [], []
-    for entry in hook._entries.values():
-        p = entry.ref()
+def _collect(hook: GradHook, need_fired: bool) -> tuple[list[torch.Tensor], list[Entry], tuple]:
+    """The gradients that count (registration order), their entries, and the key telling whether a cached
+    layout still fits."""
+    grads, entries, key = [], [], []
+    for entry in hook.registry:
+        p = entry.tensor
         if p is None:
             continue
         g = p.grad
         if g is None:
             continue
-        if need_fired and not fired[entry.row]:
+        if need_fired and not hook.stats.fired(entry.row):
             raise ValueError(f"{entry.name} has a .grad but {hook.__name__} has not fired on it (since it was "
                              "registered, or since stats.reset()), so its norm is unknown; run backward with the "
                              "hook registered before clip_grad_norm_")
         grads.append(g)
+        entries.append(entry)
         key += (entry.row, g.data_ptr(), g.numel(), g.dtype)
-    return grads, tuple(key)
+    return grads, entries, tuple(key)
 
 
 def _build_layout(hook: GradHook, grads: list[torch.Tensor], key: tuple, slot: int | None) -> _Layout:

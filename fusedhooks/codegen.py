@@ -37,6 +37,11 @@ def compute_type(dtype: torch.dtype) -> str:
     return _COMPUTE[dtype]
 
 
+def _float_text(v: float) -> str:
+    """A Python float as source text (inf and nan have no literal)."""
+    return repr(v) if math.isfinite(v) else f'float("{v}")'
+
+
 def literal(value, ctype: str) -> str:
     """A Python number as a Triton expression of type `ctype`."""
     if ctype == "tl.int1":
@@ -44,7 +49,7 @@ def literal(value, ctype: str) -> str:
     if ctype in ("tl.int32", "tl.int64"):
         return f"tl.full([], {int(value)}, {ctype})"
     v = float(value)
-    text = repr(v) if math.isfinite(v) else f'float("{v}")'
+    text = _float_text(v)
     return text if ctype == "tl.float32" and math.isfinite(v) else f"tl.full([], {text}, {ctype})"
 
 
@@ -207,9 +212,9 @@ class _Emitter:
                    0.5: root, -0.5: div("1.0", root), -1.0: div("1.0", x), -2.0: div("1.0", square)}
         if e in special:
             return special[e]
-        is_int = e.is_integer()
-        odd = is_int and int(e) % 2 == 1
-        return f"pow_scalar({x}, {e!r}, {is_int}, {odd})"
+        is_int = e.is_integer() or math.isinf(e)  # C pow treats +-inf as an even integer: (-2) ** inf == inf
+        odd = e.is_integer() and int(e) % 2 == 1
+        return f"pow_scalar({x}, {_float_text(e)}, {is_int}, {odd})"
 
     def emit_nodes(self, nodes: list[Node]) -> None:
         """Emit a line for each node not emitted yet (reductions must already have a name)."""
@@ -261,8 +266,7 @@ def _fill_value(value, ct: str) -> str:
         return str(int(bool(value)))
     if ct in ("tl.int32", "tl.int64"):
         return str(int(value))
-    v = float(value)
-    return repr(v) if math.isfinite(v) else f'float("{v}")'
+    return _float_text(float(value))
 
 
 @dataclass

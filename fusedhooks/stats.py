@@ -9,12 +9,30 @@ import torch
 from .ir import COUNT_STATS
 
 
+class ParamStats(dict):
+    """One parameter's statistics {name: value}; `fresh` is True when the most recent backward in which the
+    hook fired wrote them, False when they were recorded earlier (the parameter got no gradient since)."""
+
+    fresh: bool = True
+
+
+class StatsReading(dict):
+    """What `HookStats.read()` returns: {parameter name: ParamStats}; `stale` lists the parameters whose rows
+    were not written by the most recent backward in which the hook fired."""
+
+    @property
+    def stale(self) -> list[str]:
+        return [name for name, row in self.items() if not row.fresh]
+
+
 class HookStats:
     """Statistics a hook records, one row per registered parameter.
 
     `tensor` is a float64 device tensor of shape [parameters, slots]; slot j of every row holds
     `slot_names[j]` (statistics after the body first, then "input.<name>" ones). A row is overwritten
     at each firing of its parameter; rows that have not fired hold NaN and are left out of `read()`.
+    Each backward in which the hook fires (told apart by autograd's graph task; calls by hand outside a
+    backward count as one) is numbered; a row remembers the number of the backward that wrote it.
     """
 
     def __init__(self, stats: tuple[str, ...], input_stats: tuple[str, ...], hist_range: tuple[int, int]):
@@ -26,7 +44,9 @@ class HookStats:
                 slots += [prefix + name] * (bins if name == "hist" else 1)
         self.slot_names = tuple(slots)
         self.names: list[str] = []
-        self._fired: list[bool] = []
+        self._written: list[int] = []  # per row: the number of the backward that wrote it, 0 for never
+        self._backward = 0  # the number of the most recent backward in which the hook fired
+        self._backward_key: int | None = None  # its autograd graph task id (-1: outside a backward)
         self._buffer: torch.Tensor | None = None
         self._rows: dict[int, torch.Tensor] = {}
 
@@ -53,26 +73,46 @@ class HookStats:
         self._buffer = row if self._buffer is None else torch.cat([self._buffer, row])
         self._rows = {}
         self.names.append(name)
-        self._fired.append(False)
+        self._written.append(0)
         return len(self.names) - 1
 
+    def clear_row(self, index: int) -> None:
+        """Forget row `index` (its name is registered again, for another tensor)."""
+        self._buffer[index].fill_(math.nan)
+        self._written[index] = 0
+
+    def begin_firing(self, backward_key: int) -> None:
+        """A firing starts in the backward with autograd graph task id `backward_key`."""
+        if backward_key != self._backward_key:
+            self._backward_key = backward_key
+            self._backward += 1
+
+    def fired(self, index: int) -> bool:
+        """Has row `index` been written since registration or reset()?"""
+        return self._written[index] > 0
+
     def row(self, index: int) -> torch.Tensor:
-        """Row `index` of the buffer, marked as fired (a view, cached; the kernel writes into it)."""
-        self._fired[index] = True
+        """Row `index` of the buffer, marked as written by the current backward (a view, cached; the kernel
+        writes into it)."""
+        self._written[index] = self._backward
         row = self._rows.get(index)
         if row is None:
             row = self._rows[index] = self._buffer[index]
         return row
 
-    def read(self) -> dict[str, dict[str, float | int]]:
-        """{parameter name: {statistic: value}} for every parameter that fired; one device-to-host copy."""
+    def read(self) -> StatsReading:
+        """{parameter name: {statistic: value}} for every parameter that fired; one device-to-host copy.
+
+        Each value is a ParamStats dict whose `fresh` attribute tells whether the most recent backward in
+        which the hook fired wrote it; the result's `stale` lists those it did not."""
+        out = StatsReading()
         if self._buffer is None or not self.slot_names:
-            return {}
+            return out
         values = self._buffer.tolist()
-        out = {}
-        for name, fired, row in zip(self.names, self._fired, values):
-            if fired:
-                entry = {}
+        for name, written, row in zip(self.names, self._written, values):
+            if written:
+                entry = ParamStats()
+                entry.fresh = written == self._backward
                 for s, v in zip(self.slot_names, row):
                     if s.endswith("hist"):
                         entry.setdefault(s, []).append(int(v))
@@ -94,6 +134,9 @@ class HookStats:
         if name not in self.names:
             raise KeyError(f"no parameter named {name!r}; registered: {self.names}")
         row = self.names.index(name)
+        if not self._written[row]:
+            raise KeyError(f"no histogram of {name!r} yet: the hook has not fired on it since it was registered "
+                           "or since reset()")
         columns = [i for i, s in enumerate(self.slot_names) if s == key]
         counts = self._buffer[row, columns[0]:columns[-1] + 1].cpu().to(torch.int64)
         lo, hi = self.hist_range
@@ -103,7 +146,7 @@ class HookStats:
         """Forget every recorded value (no sync)."""
         if self._buffer is not None:
             self._buffer.fill_(math.nan)
-        self._fired = [False] * len(self._fired)
+        self._written = [0] * len(self._written)
 
     def __repr__(self) -> str:
         return f"HookStats({len(self.names)} parameters x {list(self.slot_names)})"

@@ -85,7 +85,7 @@ def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: to
     results = {}
     bar = _progress(len(dtypes) * len(sizes) * len(configs), "fusedhooks tune")
     for dtype in dtypes:
-        compiled = hook._compile(dtype, device)
+        compiled = hook.compiled(dtype, device)
         if compiled.kernel is None:
             raise RuntimeError(f"tuning needs the triton backend: CUDA, or TRITON_INTERPRET=1 on CPU ({device})")
         module, plan = compiled.kernel, compiled.plan
@@ -97,7 +97,7 @@ def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: to
             saved = (torch.randn(numel, device=device) * 1e-2).to(dtype)
             grad = saved.clone()
             for config in configs:
-                trial = functools.partial(_run_config, plan, module, grad, param, hook._body.scalars, stats,
+                trial = functools.partial(_run_config, plan, module, grad, param, hook.scalars, stats,
                                           workspace, config)
                 grad.copy_(saved)
                 trial()  # compile and warm up

@@ -41,7 +41,8 @@ def pow_scalar(x, exponent: tl.constexpr, EXPONENT_IS_INT: tl.constexpr, EXPONEN
     """x ** exponent for a general compile-time exponent, through fp64 exp2/log2.
 
     x: fp32 or fp64 [BLOCK]; same dtype out. Follows C `pow` for negative bases (NaN unless the
-    exponent is an integer, the sign from its parity), zeros and infinities.
+    exponent is an integer, the sign from its parity; +-inf counts as even), zeros and infinities, and
+    NaN exponents (NaN, except 1 ** nan == 1).
     """
     x64 = x.to(tl.float64)
     mag = tl.exp2(exponent * tl.log2(tl.abs(x64)))
@@ -52,4 +53,7 @@ def pow_scalar(x, exponent: tl.constexpr, EXPONENT_IS_INT: tl.constexpr, EXPONEN
     else:
         mag = tl.where(x64 < 0, float("nan"), mag)
     mag = tl.where(x64 == 1.0, 1.0, mag)
+    if EXPONENT_IS_INT:
+        if not EXPONENT_IS_ODD:  # |x| == 1 and an infinite exponent: inf * log2(1) is NaN, C pow gives 1
+            mag = tl.where(tl.abs(x64) == 1.0, 1.0, mag)
     return mag.to(x.dtype)

@@ -22,15 +22,16 @@ def store_partials(x, mask, n_valid, out_ptr,
     x: fp32/fp64 [BLOCK] values (lanes outside `mask` ignored); n_valid: int64, lanes in `mask`;
     out_ptr: *fp64, N_PARTIALS slots. The flags choose which partials are computed (the rest is 0).
     """
+    # in fp64: sums, squared deviations and squares neither overflow (3e38 fp32 values) nor underflow
+    x64 = tl.where(mask, x, 0.0).to(tl.float64)
     if SUM:
-        block_sum = tl.sum(tl.where(mask, x, 0.0), axis=0)
-        tl.store(out_ptr + 0, block_sum.to(tl.float64))
+        block_sum = tl.sum(x64, axis=0)
+        tl.store(out_ptr + 0, block_sum)
         if M2:
-            block_mean = block_sum / n_valid.to(x.dtype)
-            dev = tl.where(mask, x - block_mean, 0.0)
-            tl.store(out_ptr + 2, tl.sum(dev * dev, axis=0).to(tl.float64))
-    if SUMSQ:  # squares in fp64: no overflow above ~1.8e19 nor underflow below ~1e-19 (CPU torch's double)
-        x64 = tl.where(mask, x, 0.0).to(tl.float64)
+            block_mean = block_sum / n_valid.to(tl.float64)
+            dev = tl.where(mask, x64 - block_mean, 0.0)
+            tl.store(out_ptr + 2, tl.sum(dev * dev, axis=0))
+    if SUMSQ:
         tl.store(out_ptr + 1, tl.sum(x64 * x64, axis=0))
     if MINMAX:
         is_num = mask & (x == x)

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("model", "clip_scale", "clip_stats", "normalize", "amp_clip")
-PROVIDERS = ("fusedhooks", "eager", "eager+item", "torch built-in", "torch.compile", "no hook")
+PROVIDERS = ("fusedhooks", "fusedhooks buckets", "eager", "eager+item", "torch built-in", "torch.compile", "no hook")
 FIELDS = ("workload", "provider", "dtype", "numel", "status", "reason", "median_us", "p20_us", "p80_us",
           "bytes_per_element", "gbps", "copy_gbps", "copy_ratio", "host_us_per_firing", "gradients", "launches",
           "launches_how", "fusedhooks_plan", "vs_fusedhooks", "added_pct")

@@ -539,3 +539,95 @@ def test_norms_of_gradients_changed_since_the_hook_measured_them_are_recomputed(
     b.grad.add_(3.0)                                # edited by hand after the hook measured it
     total = fh.clip_grad_norm_(hook, 1e9)
     torch.testing.assert_close(total, torch.linalg.vector_norm(torch.cat([a.grad, b.grad])), rtol=1e-6, atol=0)
+
+
+def test_a_new_gradient_at_a_freed_gradient_address_is_not_taken_for_the_measured_one(backend):
+    """zero_grad(set_to_none=True), then a backward with the hook paused: the allocator usually puts the new
+    gradient where the freed one was, with version 0 again. Its recorded norm is not its norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    hook = fh.grad_hook(stats=("norm",), backend=backend)
+    hook.register(model)
+    x = torch.randn(8, 64)
+    for step in range(20):
+        model.zero_grad(set_to_none=True)
+        (model(x) * (step + 1)).sum().backward()
+        fh.clip_grad_norm_(hook, 1e9)
+        model.zero_grad(set_to_none=True)
+        with hook.paused():
+            (model(x) * (step + 7) ** 2).sum().backward()
+        reference = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        for r, p in zip(reference, model.parameters()):
+            r.grad = p.grad.clone()
+        expected = torch.nn.utils.clip_grad_norm_(reference, 1.0)
+        total = fh.clip_grad_norm_(hook, 1.0)
+        torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
+        for r, p in zip(reference, model.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
+
+
+def test_another_gradient_tensor_at_the_measured_address_and_version_is_not_the_measured_one(backend):
+    """The allocator's reuse made deterministic: a new gradient tensor over the same memory, at the version the
+    measured one had, holding other values."""
+    p = torch.zeros(100, requires_grad=True)
+    hook = fh.grad_hook(lambda grad: grad * 1.0, stats=("norm",), backend=backend)
+    hook.register([p])
+    (p * 3.0).sum().backward()
+    old = p.grad
+    version = old._version
+    with torch.no_grad():
+        old.copy_(torch.arange(100.0))
+    new = torch.empty(0).set_(old.untyped_storage(), old.storage_offset(), old.shape, old.stride())
+    assert new.data_ptr() == old.data_ptr() and new._version == version
+    p.grad = new
+    total = fh.clip_grad_norm_(hook, 1e9)
+    torch.testing.assert_close(total, torch.linalg.vector_norm(torch.arange(100.0)), rtol=1e-6, atol=0)
+
+
+def test_max_norm_inf_writes_nothing_and_a_second_call_reads_no_gradient(monkeypatch):
+    params = make_params([(97,), (13, 7)])
+    hook = hooked(params, "triton")
+    backward_with(params, random_grads(params))
+    versions = [p.grad._version for p in params]
+    first = fh.clip_grad_norm_(hook, INF)
+    assert [p.grad._version for p in params] == versions       # the coefficient is 1: nothing written
+    reads = count_calls(monkeypatch, torch.linalg, "vector_norm")
+    second = fh.clip_grad_norm_(hook, INF)
+    assert torch.equal(first, second)
+    assert not [args for args in reads if args[0].numel() > 2], "a gradient was read again"
+    expected, _ = torch_clip(params, INF)
+    torch.testing.assert_close(second, expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_max_norm_inf_with_a_nonfinite_norm_then_a_second_call_is_torch_s(backend):
+    """torch: max_norm=inf with an infinite total norm multiplies every gradient by inf/inf = NaN; a second
+    call then measures NaN gradients. Without a re-read, the recorded norms times that NaN give the same."""
+    params = make_params([(97,), (13,)])
+    hook = hooked(params, backend)
+    grads = random_grads(params)
+    grads[0][3] = INF
+    backward_with(params, grads)
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for c, p in zip(clones, params):
+        c.grad = p.grad.clone()
+    for _ in range(2):
+        expected = torch.nn.utils.clip_grad_norm_(clones, INF)
+        total = fh.clip_grad_norm_(hook, INF)
+        assert_same_values(total, expected)
+        for p, c in zip(params, clones):
+            assert_same_values(p.grad, c.grad)
+    assert math.isnan(total.item())
+
+
+def test_clipping_twice_with_a_finite_max_norm_recomputes_the_scaled_norms(backend):
+    params = make_params([(97,), (13,)])
+    hook = hooked(params, backend)
+    backward_with(params, random_grads(params, scale=10.0))
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for c, p in zip(clones, params):
+        c.grad = p.grad.clone()
+    for _ in range(2):
+        expected = torch.nn.utils.clip_grad_norm_(clones, 1.0)
+        total = fh.clip_grad_norm_(hook, 1.0)
+        torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)

@@ -324,7 +324,8 @@ def test_same_tensor_twice_in_one_call_rejected(hook):
 
 
 def test_duplicate_name_rejected(hook):
-    hook.register(leaf(3), name="w")
+    alive = leaf(3)   # a registration lasts as long as its tensor
+    hook.register(alive, name="w")
     with pytest.raises(ValueError, match="named 'w' is already registered.*name="):
         hook.register(leaf(3), name="w")
 
@@ -339,7 +340,8 @@ def test_duplicate_name_in_one_call_registers_nothing(hook):
 
 def test_unnamed_tensor_after_user_named_param1_registers(hook):
     # Automatic keys must not collide with a name the user chose.
-    hook.register(leaf(3), name="param1")
+    named = leaf(3)
+    hook.register(named, name="param1")
     t = leaf(3)
     hook.register(t)
     assert fires(hook, t)
@@ -403,3 +405,19 @@ def test_result_not_broadcasting_in_list_registers_nothing():
         hook.register([good, bad])
     (good * 3.0).sum().backward()
     assert torch.equal(good.grad, torch.full((2, 2, 2), 3.0))
+
+
+def test_meta_tensor_rejected_at_register(hook):
+    with pytest.raises(ValueError, match="meta tensor.*materialized"):
+        hook.register(torch.zeros(3, device="meta", requires_grad=True))
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="weight: is a meta tensor"):
+        hook.register(model)
+    assert hook.stats.names == []
+
+
+@pytest.mark.parametrize("bucket_mb", [float("inf"), float("nan"), -1, "25", True])
+def test_bad_bucket_mb_is_refused_by_name(hook, bucket_mb):
+    with pytest.raises(ValueError, match="bucket_mb"):
+        hook.register(torch.nn.Linear(2, 2), bucket_mb=bucket_mb)

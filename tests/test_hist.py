@@ -69,3 +69,24 @@ def test_hist_is_not_in_all_and_bad_options_are_refused():
         fh.grad_hook(stats="hist", hist_range=(-200, 2))
     with pytest.raises(KeyError, match="hist"):
         fh.grad_hook(stats="norm").stats.histogram("param0")
+
+
+@pytest.mark.parametrize("hist_range", [(0, 1, 2), (0,), 5, (0.0, 4.0), ("a", "b"), (True, 4)])
+def test_malformed_hist_range_is_refused_by_name(hist_range):
+    with pytest.raises(ValueError, match="hist_range"):
+        fh.grad_hook(stats="hist", hist_range=hist_range)
+
+
+def test_histogram_before_any_firing_is_refused(backend):
+    hook = fh.grad_hook(stats="hist", backend=backend)
+    t = torch.zeros(4, requires_grad=True)
+    hook.register(t, name="w")
+    with pytest.raises(KeyError, match="has not fired"):
+        hook.stats.histogram("w")
+    t.grad = torch.ones(4)
+    hook(t)
+    counts, _ = hook.stats.histogram("w")
+    assert int(counts.sum()) == 4
+    hook.stats.reset()
+    with pytest.raises(KeyError, match="has not fired"):
+        hook.stats.histogram("w")

@@ -118,6 +118,18 @@ def general_pow_odd(grad):
     return grad.pow(-3)
 
 
+def pow_inf(grad):
+    return grad ** float("inf")
+
+
+def pow_minus_inf(grad):
+    return torch.pow(grad, float("-inf"))
+
+
+def pow_nan(grad):
+    return torch.pow(grad, float("nan"))
+
+
 def minmax(grad):
     return torch.minimum(torch.maximum(grad, grad * 0.5), grad + 1)
 
@@ -199,6 +211,7 @@ BODIES = {
     "pow_minus_1": (pow_minus_1, 0), "pow_minus_2": (pow_minus_2, 0), "pow_half": (pow_half, 1),
     "pow_minus_half": (pow_minus_half, 2), "pow_0": (pow_0, 0),
     "general_pow": (general_pow, "pow"), "general_pow_odd": (general_pow_odd, "pow"),
+    "pow_inf": (pow_inf, 0), "pow_minus_inf": (pow_minus_inf, 0), "pow_nan": (pow_nan, 0),
     "minmax": (minmax, 0), "where_compare": (where_compare, 0),
     "logical": (logical, 0), "special_tests": (special_tests, 0), "nan_to_num_default": (nan_to_num_default, 0),
     "nan_to_num_values": (nan_to_num_values, 0), "constructors": (constructors, 0),
@@ -246,6 +259,18 @@ def test_op_matches_eager(name, dtype, backend):
     fire(hook, grad, param)
     assert grad.data_ptr() == ptr
     assert_same_values(grad, expected, ulps=ulps)
+
+
+@pytest.mark.parametrize("exponent", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_pow_with_a_nonfinite_exponent_matches_c_pow_at_every_special_base(exponent, dtype, backend):
+    """C pow's rules for infinite and NaN exponents: |x| == 1 gives 1 (also -1 ** inf), |x| < 1 and |x| > 1
+    give 0 or inf by the exponent's sign, NaN exponents give NaN except for x == 1."""
+    grad = torch.tensor([-2.0, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 2.0, float("inf"), float("-inf"), float("nan")],
+                        dtype=dtype)
+    expected = eager_expected(lambda g: g ** exponent, grad, grad)
+    fire(fh.grad_hook(lambda g: g ** exponent, backend=backend), grad)
+    assert_same_values(grad, expected)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 127, 128, 129, 1021, 4096, 4099])

@@ -119,3 +119,20 @@ def test_statistics_are_deterministic(monkeypatch):
         fire(hook, torch.randn(5000, generator=torch.Generator().manual_seed(1)))
         values.append(hook.stats.read()["param0"])
     assert values[0] == values[1]
+
+
+@pytest.mark.parametrize("dtype, magnitude", [(torch.float32, 3e38), (torch.bfloat16, 1e38), (torch.float16, 6e4),
+                                              (torch.float32, 1e-30)], ids=["fp32_3e38", "bf16_1e38", "fp16_6e4",
+                                                                            "fp32_1e-30"])
+def test_var_std_of_huge_and_tiny_finite_gradients_are_finite_and_exact(dtype, magnitude, backend, monkeypatch):
+    """Block sums and squared deviations are reduced in fp64: fp32 sums of 3e38 values would overflow into a
+    NaN variance (read as "the gradient has NaNs"), squares of 1e-30 would underflow into a zero one."""
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")
+    signs = torch.where(torch.arange(1021) % 3 == 0, -1.0, 1.0)
+    grad = (signs * magnitude * torch.linspace(0.5, 1.0, 1021)).to(dtype)
+    assert torch.isfinite(grad).all()
+    hook = fh.grad_hook(stats="all", backend=backend)
+    fire(hook, grad)
+    got = hook.stats.read()["param0"]
+    check_stats(got, grad, STAT_NAMES)
+    assert got["var"] > 0 and got["std"] > 0 and got["nan"] == 0

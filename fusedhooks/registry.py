@@ -1,0 +1,108 @@
+"""The tensors a hook fires on: their entries, statistics rows, and which gradient each row measured."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .stats import HookStats
+
+
+@dataclass(eq=False)
+class Measurement:
+    """The gradient a statistics row describes: that tensor object (not its address: a freed gradient's
+    address is often reused by the next one) at that version. `coef`: a 0-dim device tensor the gradient
+    was multiplied by afterwards without a version bump (clip_grad_norm_ with max_norm=inf multiplies by 1,
+    or by NaN when the total norm is not finite), so the recorded norm times `coef` is its norm now."""
+
+    grad: weakref.ref
+    version: int
+    coef: torch.Tensor | None = None
+
+    def describes(self, grad: torch.Tensor) -> bool:
+        return self.grad() is grad and self.version == grad._version
+
+
+@dataclass(eq=False)
+class Entry:
+    """One registered tensor: a weak reference, its statistics key and row."""
+
+    ref: weakref.ref
+    name: str
+    row: int
+    checked_shape: tuple | None = None
+    bucket_bytes: int = 0  # > 0: processed in end-of-backward buckets of this many gradient bytes
+    torch_hook_id: int | None = None  # our key in the tensor's _post_accumulate_grad_hooks
+    measured: Measurement | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        return self.ref()
+
+    def record(self, grad: torch.Tensor) -> None:
+        """The statistics row now describes `grad` as it is."""
+        self.measured = Measurement(weakref.ref(grad), grad._version)
+
+    def has_later_hooks(self, t: torch.Tensor) -> bool:
+        """Does a post-accumulate hook registered after ours run on `t` (it must see the processed gradient)?"""
+        hooks = t._post_accumulate_grad_hooks
+        return bool(hooks) and self.torch_hook_id is not None and next(reversed(hooks)) != self.torch_hook_id
+
+
+class Registry:
+    """The live registrations of one hook, in registration order, and their rows in `stats`.
+
+    An entry goes away when its tensor is garbage-collected or removed; a name that is no longer in use
+    can be registered again and gets its old row back, cleared.
+    """
+
+    def __init__(self, stats: HookStats):
+        self.stats = stats
+        self._entries: dict[int, Entry] = {}
+
+    def __iter__(self) -> Iterator[Entry]:
+        """Live entries in registration order."""
+        return (e for e in list(self._entries.values()) if e.ref() is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def get(self, t: torch.Tensor) -> Entry | None:
+        entry = self._entries.get(id(t))
+        return entry if entry is not None and entry.ref() is t else None
+
+    def names(self) -> set[str]:
+        return {e.name for e in self}
+
+    def add(self, name: str, t: torch.Tensor) -> Entry:
+        """Register `t` under `name` (checked by the caller: not registered, name free)."""
+        if name in self.stats.names:
+            row = self.stats.names.index(name)  # registered before, then removed or collected
+            self.stats.clear_row(row)
+        else:
+            row = self.stats.add_row(name, t.device)
+        key = id(t)
+        registry = weakref.ref(self)
+
+        def forget(_ref, key=key):
+            reg = registry()
+            if reg is not None and reg._entries.get(key) is entry:
+                del reg._entries[key]
+
+        entry = Entry(weakref.ref(t, forget), name, row)
+        self._entries[key] = entry
+        return entry
+
+    def remove(self, t: torch.Tensor) -> None:
+        if self.get(t) is not None:
+            del self._entries[id(t)]
+
+    def discard(self, entries: list[Entry]) -> None:
+        """Undo `add` for these entries (a register() call that failed part-way)."""
+        for e in entries:
+            t = e.ref()
+            if t is not None and self._entries.get(id(t)) is e:
+                del self._entries[id(t)]

@@ -1,0 +1,285 @@
+"""Torch's hook semantics kept by compiled hooks: order, a backward that raises, threads, remove() during
+backward, create_graph=True, dead registrations, stale rows; each also with explicit buckets."""
+
+import gc
+import threading
+import warnings
+
+import pytest
+import torch
+
+import fusedhooks as fh
+from fusedhooks import runtime
+
+#: registration forms: the default (each gradient at its own firing) and explicit end-of-backward buckets
+MODES = {"default": {}, "buckets": {"bucket_mb": 25}}
+
+
+def clip_body(grad):
+    return grad.clamp(-0.125, 0.125)
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 6, generator=g) * 4, torch.randn(16, 3, generator=g)
+
+
+def loss_of(model, data):
+    x, y = data
+    return ((model(x) - y) ** 2).sum() * 10
+
+
+def serialize_launches(monkeypatch):
+    """The Triton interpreter crashes when two threads launch at the same moment: one launch at a time."""
+    lock = threading.Lock()
+    launch = runtime.launch
+
+    def locked(*args, **kwargs):
+        with lock:
+            launch(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "launch", locked)
+
+
+# --- order -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_optimizer_in_backward_steps_on_the_clipped_gradient(backend, mode):
+    """The optimizer-in-backward recipe: a per-parameter Adam step in a post-accumulate hook registered after
+    the clip hook. It must step on the clipped gradient, as the plain loop (clip, then Adam) does."""
+    model, plain = mlp(), mlp()
+    plain.load_state_dict(model.state_dict())
+    hook = fh.grad_hook(clip_body, stats=("absmax",), backend=backend)
+    hook.register(model, **MODES[mode])
+    optims = {p: torch.optim.Adam([p], lr=1e-2) for p in model.parameters()}
+    seen = []
+
+    def step(p):
+        seen.append(p.grad.abs().max().item())
+        optims[p].step()
+        optims[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    data = batch()
+    for _ in range(5):
+        loss_of(model, data).backward()
+        loss_of(plain, data).backward()
+        for p in plain.parameters():
+            p.grad.clamp_(-0.125, 0.125)
+        plain_opt.step()
+        plain_opt.zero_grad()
+    assert max(seen) <= 0.125
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+    assert len(hook.stats.read()) == 4
+
+
+def test_explicit_buckets_still_process_a_tensor_with_a_later_hook_at_its_firing(monkeypatch):
+    model = mlp()
+    hook = fh.grad_hook(clip_body, backend="triton")
+    hook.register(model, bucket_mb=25)
+    weight = model[0].weight
+    seen = {}
+
+    def later(p):
+        seen["max"] = p.grad.abs().max().item()
+
+    weight.register_post_accumulate_grad_hook(later)
+    loss_of(model, batch()).backward()
+    assert seen["max"] <= 0.125                       # processed before the later hook ran
+    assert all(p.grad.abs().max() <= 0.125 for p in model.parameters())
+
+
+# --- a backward that raises ----------------------------------------------------------------------------
+
+class NaNGuard(Exception):
+    pass
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_backward_that_raises_leaves_nothing_behind(backend, mode):
+    model, other = mlp(), torch.nn.Linear(6, 3)
+    hook = fh.grad_hook(clip_body, stats=("absmax",), backend=backend)
+    hook.register(model, **MODES[mode])
+    raising = [True]
+
+    def guard(p):   # a NaN guard on another module, raising during the first backward only
+        if raising[0]:
+            raise NaNGuard()
+
+    other.weight.register_post_accumulate_grad_hook(guard)
+    x, y = batch()
+    with pytest.raises(NaNGuard):
+        (loss_of(model, (x, y)) + other(x).sum()).backward()
+    raising[0] = False
+    for _ in range(3):
+        model.zero_grad()
+        (loss_of(model, (x, y)) + other(x).sum()).backward()
+        assert all(p.grad.abs().max() <= 0.125 for p in model.parameters())
+        assert all(row["absmax"] <= 0.125 and row.fresh for row in hook.stats.read().values())
+
+
+# --- threads ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_concurrent_backwards_in_two_threads_are_independent(backend, mode, monkeypatch):
+    """One hook on two models; thread B runs its whole backward while thread A's backward is paused half-way
+    (after its last layer's gradients fired). Each thread's gradients are final when its backward returns."""
+    serialize_launches(monkeypatch)
+    models = [mlp(0), mlp(1)]
+    hook = fh.grad_hook(clip_body, stats=("absmax",), backend=backend)
+    for i, m in enumerate(models):
+        hook.register(m, name=f"m{i}", **MODES[mode])
+    b_done = threading.Event()
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            x, y = batch(i)
+            model = models[i]
+            hidden = torch.tanh(model[0](x))
+            if i == 0:   # runs after model[2]'s gradients fired, before model[0]'s: wait for thread B
+                hidden.register_hook(lambda g: (b_done.wait(timeout=60), None)[1])
+            loss = ((model[2](hidden) - y) ** 2).sum() * 10
+            loss.backward()
+            results[i] = max(p.grad.abs().max().item() for p in model.parameters())
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+        finally:
+            if i == 1:
+                b_done.set()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a backward hung"
+    assert not errors, errors
+    assert results[0] <= 0.125 and results[1] <= 0.125, results
+    assert len(hook.stats.read()) == 8
+
+
+# --- remove() during backward ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_remove_during_backward_stops_later_firings_only(backend, mode):
+    """model[2]'s gradients fire first; a hook on the hidden activation (run before model[0]'s gradients)
+    removes the registration. Like an eager hook: model[2] clipped, model[0] not."""
+    model = mlp()
+    hook = fh.grad_hook(clip_body, backend=backend)
+    handle = hook.register(model, **MODES[mode])
+    x, y = batch()
+    hidden = torch.tanh(model[0](x))
+    hidden.register_hook(lambda g: handle.remove())
+    (((model[2](hidden) - y) ** 2).sum() * 10).backward()
+    assert model[2].weight.grad.abs().max() <= 0.125 and model[2].bias.grad.abs().max() <= 0.125
+    assert model[0].weight.grad.abs().max() > 0.125
+    model.zero_grad()
+    loss_of(model, (x, y)).backward()
+    assert model[2].weight.grad.abs().max() > 0.125       # removed for good
+
+
+# --- create_graph=True -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("register", ["tensor", "module", "buckets"])
+def test_create_graph_runs_the_body_as_autograd_visible_ops(backend, register):
+    p = torch.tensor([1.0, 2.0, -3.0], requires_grad=True)
+    eager = p.detach().clone().requires_grad_(True)
+    hook = fh.grad_hook(lambda grad: grad * 2, stats=("norm",), backend=backend)
+    if register == "tensor":
+        hook.register(p)
+    else:
+        holder = torch.nn.Module()
+        holder.p = torch.nn.Parameter(p.detach().clone())
+        p = holder.p
+        hook.register(holder, bucket_mb=25 if register == "buckets" else None)
+    def eager_hook(t):
+        t.grad.mul_(2)
+
+    eager.register_post_accumulate_grad_hook(eager_hook)
+    with warnings.catch_warnings():   # torch warns (once) that create_graph makes a reference cycle
+        warnings.simplefilter("ignore")
+        (p ** 3).sum().backward(create_graph=True)
+        (eager ** 3).sum().backward(create_graph=True)
+    assert torch.equal(p.grad.detach(), eager.grad.detach())
+    (second,) = torch.autograd.grad(p.grad.sum(), p)
+    (expected,) = torch.autograd.grad(eager.grad.sum(), eager)
+    assert torch.equal(second, expected) and second.tolist() == [12.0, 24.0, -36.0]
+    assert hook.stats.read()[next(iter(hook.stats.read()))]["norm"] == pytest.approx(eager.grad.norm().item())
+    p.grad = eager.grad = None  # break the parameter <-> gradient cycle create_graph makes
+
+
+# --- dead registrations ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_registrations_of_collected_models_are_released(backend, mode):
+    hook = fh.grad_hook(clip_body, stats=("absmax",), backend=backend)
+    model = mlp()
+    hook.register(model, **MODES[mode])
+    loss_of(model, batch()).backward()
+    del model
+    gc.collect()
+    assert len(hook.registry) == 0
+    fresh = mlp(3)
+    handle = hook.register(fresh, **MODES[mode])
+    assert len(handle) == 4
+    assert hook.stats.read() == {}              # the names' old rows were cleared for the new tensors
+    loss_of(fresh, batch()).backward()
+    assert all(p.grad.abs().max() <= 0.125 for p in fresh.parameters())
+    assert sorted(hook.stats.read()) == sorted(n for n, _ in fresh.named_parameters())
+
+
+def test_failed_register_in_the_middle_registers_nothing():
+    hook = fh.grad_hook(clip_body, stats=("absmax",))
+    good = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match="meta tensor"):
+        hook.register([("good", good), ("bad", torch.zeros(3, device="meta", requires_grad=True))])
+    assert len(hook.registry) == 0 and not good._post_accumulate_grad_hooks
+    hook.register(good, name="good")
+
+
+def test_adaptive_clip_registers_again_after_remove(backend):
+    clip = fh.adaptive_clip(warmup_steps=1, backend=backend)
+    model = mlp()
+    handle = clip.register(model)
+    loss_of(model, batch()).backward()
+    assert set(clip.read()) == {n for n, _ in model.named_parameters()}
+    handle.remove()
+    assert clip.read() == {}
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    handle = clip.register(model)                  # the same module again
+    model.zero_grad()
+    loss_of(model, batch()).backward()
+    assert all(row["step"] == 1 for row in clip.read().values())
+
+
+# --- stale rows ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_read_tells_which_rows_the_last_backward_wrote(backend, mode):
+    model = mlp()
+    hook = fh.grad_hook(stats=("norm",), backend=backend)
+    hook.register(model, **MODES[mode])
+    x, y = batch()
+    loss_of(model, (x, y)).backward()
+    first = hook.stats.read()
+    assert first.stale == [] and all(row.fresh for row in first.values())
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        hidden = torch.tanh(model[0](x))           # model[0] gets no gradient this step
+    ((model[2](hidden) - y) ** 2).sum().backward()
+    second = hook.stats.read()
+    assert sorted(second.stale) == ["0.bias", "0.weight"]
+    assert not second["0.weight"].fresh and second["2.weight"].fresh
+    assert second["0.weight"] == first["0.weight"]   # still there, marked stale
+    with hook.paused():                             # a backward in which the hook did not fire changes nothing
+        loss_of(model, (x, y)).backward()
+    assert sorted(hook.stats.read().stale) == ["0.bias", "0.weight"]
