@@ -4,6 +4,7 @@ A workload is one piece of gradient work (clip + scale, clip + every statistic, 
 same work on the same gradients, its own way:
 
     fusedhooks      the compiled hook (`fh.grad_hook`), registered with `hook.register`
+    fusedhooks buckets  the same, registered with `bucket_mb=25` (the model step only)
     eager           the same body as eager torch ops in a post-accumulate-grad hook, no host sync
                     (statistics are written into a device buffer)
     eager+item      the seed-style hook: the same eager ops, every statistic or scalar read with `.item()`
