@@ -285,8 +285,8 @@ class SweepCall:
 
 class ModelStep:
     """The call timed for the model: one training step, hooks fired by autograd. Host time: a hook registered just
-    before the provider's and an AccumulateGrad node hook (run after all of them) start and stop the clock (torch's dispatch of the hook included), and
-    callbacks bracket the provider's end-of-backward work (see HostClock)."""
+    before the provider's and an AccumulateGrad node hook (run after all of them) start and stop the clock (torch's
+    dispatch of the hook included), and callbacks bracket the provider's end-of-backward work (see HostClock)."""
 
     max_host_reps = 5  # whole training steps
 
