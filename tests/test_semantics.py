@@ -283,3 +283,48 @@ def test_read_tells_which_rows_the_last_backward_wrote(backend, mode):
     with hook.paused():                             # a backward in which the hook did not fire changes nothing
         loss_of(model, (x, y)).backward()
     assert sorted(hook.stats.read().stale) == ["0.bias", "0.weight"]
+
+
+def test_a_firing_in_another_thread_between_two_passes_does_not_disturb_them(monkeypatch):
+    """(Triton backend: the reference has no passes.) A two-pass body (the norm, then the scale) in thread A is held between its passes while thread B fires the
+    same hook on another gradient: each thread has its own workspace, so A's second pass reads A's norm."""
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")     # 1000 elements: several programs, two passes
+    hook = fh.grad_hook(lambda grad: grad / grad.norm(), stats=("norm",), backend="triton")
+    assert hook.plan(numel=1000, device="cpu").passes == 2
+    a, b = torch.zeros(1000, requires_grad=True), torch.zeros(1000, requires_grad=True)
+    hook.register([("a", a), ("b", b)])
+    a.grad, b.grad = torch.linspace(-1, 1, 1000), torch.linspace(0, 1000, 1000)
+    expected_a, expected_b = a.grad / a.grad.norm(), b.grad / b.grad.norm()
+    a_between, b_done = threading.Event(), threading.Event()
+    launch = runtime.launch
+    a_thread = []
+
+    def holding_launch(*args, **kwargs):
+        launch(*args, **kwargs)
+        if threading.current_thread() in a_thread and not a_between.is_set():
+            a_between.set()                       # A's first pass is done: let B fire, then go on
+            assert b_done.wait(timeout=60)
+
+    monkeypatch.setattr(runtime, "launch", holding_launch)
+    errors = []
+
+    def fire_b():
+        try:
+            assert a_between.wait(timeout=60)
+            hook(b)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+        finally:
+            b_done.set()
+
+    thread_b = threading.Thread(target=fire_b)
+    thread_a = threading.Thread(target=lambda: hook(a))
+    a_thread.append(thread_a)
+    thread_b.start()
+    thread_a.start()
+    thread_a.join(timeout=120)
+    thread_b.join(timeout=120)
+    assert not thread_a.is_alive() and not thread_b.is_alive(), "a firing hung"
+    assert not errors, errors
+    torch.testing.assert_close(a.grad, expected_a, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(b.grad, expected_b, rtol=1e-5, atol=1e-7)
