@@ -287,7 +287,8 @@ def test_read_tells_which_rows_the_last_backward_wrote(backend, mode):
 
 def test_a_firing_in_another_thread_between_two_passes_does_not_disturb_them(monkeypatch):
     """(Triton backend: the reference has no passes.) A two-pass body (the norm, then the scale) in thread A is
-    held between its passes while thread B fires the same hook on another gradient: each thread has its own workspace, so A's second pass reads A's norm."""
+    held between its passes while thread B fires the same hook on another gradient: each thread has its own
+    workspace, so A's second pass reads A's norm."""
     monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")     # 1000 elements: several programs, two passes
     hook = fh.grad_hook(lambda grad: grad / grad.norm(), stats=("norm",), backend="triton")
     assert hook.plan(numel=1000, device="cpu").passes == 2
