@@ -22,16 +22,26 @@ def store_partials(x, mask, n_valid, out_ptr,
     x: fp32/fp64 [BLOCK] values (lanes outside `mask` ignored); n_valid: int64, lanes in `mask`;
     out_ptr: *fp64, N_PARTIALS slots. The flags choose which partials are computed (the rest is 0).
     """
-    # in fp64: sums, squared deviations and squares neither overflow (3e38 fp32 values) nor underflow
-    x64 = tl.where(mask, x, 0.0).to(tl.float64)
     if SUM:
-        block_sum = tl.sum(x64, axis=0)
-        tl.store(out_ptr + 0, block_sum)
+        # fp32 blocks are summed scaled by a power of two that brings |x| into [1, 4): exact, so the sums have the
+        # same bits as unscaled ones wherever those neither overflow (3e38 values) nor underflow (1e-30 squared)
+        if x.dtype == tl.float64:
+            unscale = 1.0
+            xs = x
+        else:
+            absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
+            exponent = ((absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            shift = tl.minimum(tl.maximum(1 - exponent, -126), 127)
+            xs = x * ((shift + 127) << 23).to(tl.float32, bitcast=True)
+            unscale = ((1023 - shift).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2 ** -shift
+        block_sum = tl.sum(tl.where(mask, xs, 0.0), axis=0)
+        tl.store(out_ptr + 0, block_sum.to(tl.float64) * unscale)
         if M2:
-            block_mean = block_sum / n_valid.to(tl.float64)
-            dev = tl.where(mask, x64 - block_mean, 0.0)
-            tl.store(out_ptr + 2, tl.sum(dev * dev, axis=0))
-    if SUMSQ:
+            block_mean = block_sum / n_valid.to(xs.dtype)
+            dev = tl.where(mask, xs - block_mean, 0.0)
+            tl.store(out_ptr + 2, tl.sum(dev * dev, axis=0).to(tl.float64) * unscale * unscale)
+    if SUMSQ:  # squares in fp64: no overflow above ~1.8e19 nor underflow below ~1e-19 (CPU torch's double)
+        x64 = tl.where(mask, x, 0.0).to(tl.float64)
         tl.store(out_ptr + 1, tl.sum(x64 * x64, axis=0))
     if MINMAX:
         is_num = mask & (x == x)

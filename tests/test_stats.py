@@ -125,8 +125,8 @@ def test_statistics_are_deterministic(monkeypatch):
                                               (torch.float32, 1e-30)], ids=["fp32_3e38", "bf16_1e38", "fp16_6e4",
                                                                             "fp32_1e-30"])
 def test_var_std_of_huge_and_tiny_finite_gradients_are_finite_and_exact(dtype, magnitude, backend, monkeypatch):
-    """Block sums and squared deviations are reduced in fp64: fp32 sums of 3e38 values would overflow into a
-    NaN variance (read as "the gradient has NaNs"), squares of 1e-30 would underflow into a zero one."""
+    """Block sums and squared deviations are scaled by a power of two per block: plain fp32 sums of 3e38 values
+    would overflow into a NaN variance (read as "the gradient has NaNs"), squares of 1e-30 underflow into 0."""
     monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")
     signs = torch.where(torch.arange(1021) % 3 == 0, -1.0, 1.0)
     grad = (signs * magnitude * torch.linspace(0.5, 1.0, 1021)).to(dtype)
