@@ -3,12 +3,13 @@
 from .adaptive import AdaptiveClip, adaptive_clip
 from .api import GradHook, RegistrationHandle, grad_hook
 from .clip import clip_grad_norm_
+from .distributed import LocalGradientWarning
 from .ir import STAT_NAMES
 from .plan import Plan
 from .stats import HookStats
 from .trace import CompileError, supported_ops
 
 # Importing fusedhooks must not import triton (TRITON_INTERPRET is read when triton is first imported).
-__all__ = ["AdaptiveClip", "CompileError", "GradHook", "HookStats", "Plan", "RegistrationHandle", "STAT_NAMES",
-           "adaptive_clip", "clip_grad_norm_", "grad_hook", "supported_ops"]
+__all__ = ["AdaptiveClip", "CompileError", "GradHook", "HookStats", "LocalGradientWarning", "Plan",
+           "RegistrationHandle", "STAT_NAMES", "adaptive_clip", "clip_grad_norm_", "grad_hook", "supported_ops"]
 __version__ = "0.1.0"

@@ -6,13 +6,14 @@ import contextlib
 import functools
 import math
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from . import codegen, runtime
+from . import codegen, distributed, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
@@ -119,6 +120,8 @@ class GradHook:
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
         self.registry = Registry(self.stats)
         self._buckets = Buckets(self)
+        self._shards = distributed.ShardStats(self)
+        self._distributed_checked = False
         self._graphs: dict[torch.dtype, Graph] = {}
         self._compiled: dict[tuple, Compiled] = {}
         self._workspaces: dict[tuple, runtime.Workspace] = {}
@@ -146,13 +149,26 @@ class GradHook:
         entry: its registration (looked up, or made for a tensor registered through torch directly);
         backward_key: the autograd graph task the firing belongs to (default: the current one). When `.grad`
         itself requires grad (backward(create_graph=True)) the body runs as eager torch ops that autograd
-        records, as an eager hook's would, instead of a kernel writing behind autograd's back."""
+        records, as an eager hook's would, instead of a kernel writing behind autograd's back. A sharded
+        (FSDP2, DTensor) gradient is processed on this rank's shard; its statistics, those of the whole
+        parameter, are merged across ranks when the backward ends (see `distributed.ShardStats`)."""
         grad = param.grad
         if grad is None:
             return
         if entry is None:
             entry = self.registry.get(param) or self._add(self._auto_name(), param)
-        self.stats.begin_firing(torch._C._current_graph_task_id() if backward_key is None else backward_key)
+        backward_key = torch._C._current_graph_task_id() if backward_key is None else backward_key
+        if distributed.is_dtensor(grad):
+            self._shards.fire(entry, param, grad, backward_key)
+            return
+        if not self._distributed_checked:
+            self._check_distributed(entry)
+        self.process(entry, grad, param, backward_key)
+
+    def process(self, entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
+        """Apply the body to `grad` (param.grad, or DDP's averaged bucket view of it) in place and record its
+        statistics in `entry`'s row, as one firing of the backward `backward_key`."""
+        self.stats.begin_firing(backward_key)
         if grad.requires_grad:
             compiled = self._compiled_for_autograd(grad.dtype)
         else:
@@ -165,6 +181,24 @@ class GradHook:
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
                      self.workspace(grad.device), amp)
         entry.record(grad)
+
+    def _check_distributed(self, entry: Entry) -> None:
+        """At the first firing on a gradient of this rank alone in a process group of several ranks: say once
+        that the hook sees local gradients (under DDP, before they are averaged), and process end-of-backward
+        buckets at each firing from now on, before DDP's reducer (which Python cannot see) reads them."""
+        world = distributed.world_size()
+        if world is None:
+            return
+        self._distributed_checked = True
+        if world > 1:
+            self._buckets.at_firing = True
+            warnings.warn(distributed.LocalGradientWarning(
+                f"fusedhooks: {self.__name__} processes each rank's own gradient of {entry.name} (a process group "
+                f"of {world} ranks is running). Under DistributedDataParallel that is the local, un-averaged "
+                "gradient, processed before DDP averages it, as an eager torch hook would be; to process the "
+                "averaged gradient instead, register the hook on the DDP model itself: hook.register(ddp_model). "
+                "End-of-backward buckets (bucket_mb=) of this hook are processed at each firing from now on, "
+                "so that DDP reads the processed gradients."), stacklevel=3)
 
     @property
     def scalars(self) -> list[torch.Tensor]:
@@ -216,9 +250,12 @@ class GradHook:
             self._graphs[dtype] = graph
         return graph
 
-    def compiled(self, dtype: torch.dtype, device: torch.device) -> Compiled:
-        """The plan and kernels for gradients of `dtype` on `device` (compiled on first use, then cached)."""
-        compiled = self._compiled.get((dtype, device))
+    def compiled(self, dtype: torch.dtype, device: torch.device, shard: bool = False) -> Compiled:
+        """The plan and kernels for gradients of `dtype` on `device` (compiled on first use, then cached).
+
+        shard: for one rank's shard of an FSDP2 gradient: the statistics recorded are the partials the ranks'
+        rows are merged from (`distributed.partial_stats`), not the hook's own."""
+        compiled = self._compiled.get((dtype, device, shard))
         if compiled is not None:
             return compiled
         for i, s in enumerate(self._body.scalars):
@@ -226,10 +263,13 @@ class GradHook:
                 raise ValueError(f"{self.__name__}: closed-over tensor {i} is on {s.device} but the gradient is on "
                                  f"{device}; move it to {device} (the kernel reads it there, with no copy)")
         backend = runtime.choose_backend(device, self.backend)
-        plan = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, backend=backend,
-                         amp=self._amp, hist_range=self.hist_range)
+        stats, input_stats = self.stat_names, self.input_stat_names
+        if shard:
+            stats, input_stats = distributed.partial_stats(stats), distributed.partial_stats(input_stats)
+        plan = make_plan(self._graph(dtype), stats, input_stats, backend=backend, amp=self._amp and not shard,
+                         hist_range=self.hist_range)
         kernel = codegen.load(codegen.generate(plan, device.type)) if backend == "triton" else None
-        compiled = self._compiled[(dtype, device)] = Compiled(plan, kernel)
+        compiled = self._compiled[(dtype, device, shard)] = Compiled(plan, kernel)
         return compiled
 
     def _compiled_for_autograd(self, dtype: torch.dtype) -> Compiled:
@@ -276,9 +316,27 @@ class GradHook:
         post-accumulate hook registered after ours is still processed at its own firing; AccumulateGrad
         node hooks (DDP's reducer, for one) cannot be seen from Python and do see the unprocessed gradient.
         A single tensor is never bucketed.
+
+        Distributed: `register(ddp_model)` (a DistributedDataParallel) processes the averaged gradient, through
+        DDP's communication hook, keyed by `ddp_model.module`'s parameter names. Registered on a module (or
+        tensors) of a process group of several ranks otherwise, the hook processes each rank's own gradient
+        at its firing, and warns once (LocalGradientWarning). FSDP2 (fully_shard, before or after this call):
+        each rank's shard is processed in place; statistics are those of the whole parameter. See README,
+        "Distributed training".
         """
+        if distributed.is_ddp(target):
+            return distributed.register_ddp(self, target, name, bucket_mb)
         bucket_bytes = _parse_bucket_mb(bucket_mb) if not isinstance(target, torch.Tensor) else 0
         pairs = list(self._targets(target, name))
+        self._check_targets(pairs)
+        handle = RegistrationHandle(self)
+        self._register_pairs(pairs, bucket_bytes, handle)
+        if isinstance(target, torch.nn.Module):
+            distributed.follow_parameters(self, target, name, bucket_bytes, handle)
+        return handle
+
+    def _check_targets(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """Everything register() refuses, checked before anything is registered."""
         seen, names = set(), set()
         active = self.registry.names()
         first_device = next((t.device for _, t in pairs if isinstance(t, torch.Tensor)), None)
@@ -294,14 +352,20 @@ class GradHook:
                                  "pass a different name=")
             seen.add(id(t))
             names.add(pname)
+            if distributed.is_dtensor(t):
+                self._check_sharded(pname, t)
             self.compiled(t.dtype, t.device)
             self._check_shape(pname, t)
             stats_device = self.stats.device or first_device
             if self.stats.slot_names and t.device != stats_device:
                 raise ValueError(f"{pname} is on {t.device} but this hook records statistics on "
                                  f"{stats_device}; register parameters of another device with another hook")
-        handle = RegistrationHandle(self)
-        added = []
+
+    def _register_pairs(self, pairs: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+                        handle: RegistrationHandle) -> None:
+        """Register checked (name, tensor) pairs through torch's post-accumulate hooks, into `handle`; all or
+        nothing."""
+        added, before = [], len(handle._items)
         try:
             for pname, t in pairs:
                 entry = self._add(pname, t)
@@ -312,10 +376,24 @@ class GradHook:
                 entry.torch_hook_id = torch_handle.id
                 handle._add(t, torch_handle, self.registry)
         except BaseException:
-            handle.remove()
+            for _, torch_handle, _ in handle._items[before:]:
+                torch_handle.remove()
+            del handle._items[before:]
             self.registry.discard(added)
             raise
-        return handle
+
+    def _check_sharded(self, name: str, t: torch.Tensor) -> None:
+        """What a hook cannot do on an FSDP2-sharded (DTensor) parameter, refused with what to do instead."""
+        distributed.shard_group(name, t)  # refuses placements other than one Shard(d) (+ Replicate)
+        if self._graph(t.dtype).reductions():
+            raise CompileError(f"{self.__name__}: {name} is sharded (FSDP2, DTensor): each rank holds a part of its "
+                               "gradient, and the body reduces over the whole tensor (norm, sum, amax, ...), which "
+                               "would be computed per shard. Sharded parameters take elementwise bodies; their "
+                               "statistics (stats=) are those of the whole parameter, merged across ranks, and a "
+                               "global clip is fh.clip_grad_norm_(hook, max_norm)")
+        if self._amp:
+            raise ValueError(f"{self.__name__}: scaler= is not supported on sharded (FSDP2) parameters ({name}): "
+                             "unscale with torch's GradScaler (scaler.unscale_(optimizer)) instead")
 
     def _bucketed(self, entry: Entry):
         """The torch hook of a tensor registered with bucket_mb > 0."""
@@ -329,13 +407,16 @@ class GradHook:
         groups: dict[tuple, list] = {}
         for e in self.registry:
             t = e.tensor
-            groups.setdefault((t.device, t.dtype, e.bucket_bytes), []).append(t)
+            groups.setdefault((t.device, t.dtype, e.bucket_bytes, e.averaged), []).append(t)
         lines, total = [], 0
-        for (device, dtype, bucket_bytes), tensors in groups.items():
+        for (device, dtype, bucket_bytes, averaged), tensors in groups.items():
             plan = self.plan(numel=1 << 30, dtype=dtype, device=device)
             passes = plan.levels + 1
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            if bucket_bytes:
+            if averaged:
+                launches = len(tensors) * passes
+                how = f"in DDP's buckets (averaged), {passes} launch(es) per bucket: at most one per tensor"
+            elif bucket_bytes:
                 buckets = nbytes // bucket_bytes + 1
                 launches = buckets * passes
                 how = f"at most {buckets} end-of-backward bucket(s) of {bucket_bytes / 2**20:g} MB x {passes} pass(es)"

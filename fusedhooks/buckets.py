@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import runtime
+from . import distributed, runtime
 from .layout import flat_span
 from .registry import Entry
 
@@ -54,38 +54,40 @@ class PendingBackward:
             self.flush(key)
 
     def flush(self, key: tuple) -> None:
-        """Process the pending gradients of (device, dtype) `key`: one launch per pass for those that can
-        share it, the others (empty, not dense, a shape not yet checked) one by one. A tensor whose
+        """Process the pending gradients of (device, dtype) `key` (see `process_together`). A tensor whose
         registration was removed after it fired is processed too: remove() stops later firings only."""
         items = list(self.groups.pop(key, {}).values())
         self.nbytes.pop(key, None)
-        if not items:
-            return
-        hook = self.hook
-        device, dtype = key
-        compiled = hook.compiled(dtype, device)
-        plan, together = compiled.plan, []
-        hook.stats.begin_firing(self.backward_key)
-        for entry, p in items:
-            grad = p.grad
-            if grad is None:
-                continue
-            shareable = (plan.backend == "triton" and grad.numel() > 0 and not grad.requires_grad
-                         and grad.dtype == dtype and grad.device == device
-                         and flat_span(grad) is not None and entry.checked_shape == grad.shape
-                         and (not plan.graph.uses_param or (p.stride() == grad.stride() and flat_span(p) is not None)))
-            if shareable:
-                together.append((entry, grad, p))
-            else:
-                hook.fire(p, entry, self.backward_key)
-        if together:
-            for entry, _, _ in together:
-                hook.stats.row(entry.row)  # marks it written by this backward
-            amp = hook.amp_tensors(device) if plan.amp else None
-            runtime.fire_bucket(plan, compiled.kernel, [(g, p, e.row) for e, g, p in together], hook.scalars,
-                                hook.stats.tensor if plan.slots else None, hook.workspace(device), amp)
-            for entry, grad, _ in together:
-                entry.record(grad)
+        process_together(self.hook, [(entry, p.grad, p) for entry, p in items if p.grad is not None],
+                         self.backward_key)
+
+
+def process_together(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch.Tensor]], backward_key: int) -> None:
+    """Process (entry, grad, param) `items` of one backward, gradients of one device and dtype: one launch per
+    pass for those that can share it, the others (empty, not dense, a shape not yet checked) one by one."""
+    if not items:
+        return
+    device, dtype = items[0][1].device, items[0][1].dtype
+    compiled = hook.compiled(dtype, device)
+    plan, together = compiled.plan, []
+    hook.stats.begin_firing(backward_key)
+    for entry, grad, p in items:
+        shareable = (plan.backend == "triton" and grad.numel() > 0 and not grad.requires_grad
+                     and grad.dtype == dtype and grad.device == device
+                     and flat_span(grad) is not None and entry.checked_shape == grad.shape
+                     and (not plan.graph.uses_param or (p.stride() == grad.stride() and flat_span(p) is not None)))
+        if shareable:
+            together.append((entry, grad, p))
+        else:
+            hook.process(entry, grad, p, backward_key)
+    if together:
+        for entry, _, _ in together:
+            hook.stats.row(entry.row)  # marks it written by this backward
+        amp = hook.amp_tensors(device) if plan.amp else None
+        runtime.fire_bucket(plan, compiled.kernel, [(g, p, e.row) for e, g, p in together], hook.scalars,
+                            hook.stats.tensor if plan.slots else None, hook.workspace(device), amp)
+        for entry, grad, _ in together:
+            entry.record(grad)
 
 
 class Buckets:
@@ -96,17 +98,25 @@ class Buckets:
         #: graph task id -> its pending state, held strongly only by the callback queued on that graph task
         self._running: weakref.WeakValueDictionary[int, PendingBackward] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
+        #: True once the hook runs in a process group of several ranks: DDP's reducer may read each gradient
+        #: right after our firing, so nothing waits for the end of backward
+        self.at_firing = False
 
     def enqueue(self, entry: Entry, param: torch.Tensor) -> None:
         """The torch hook of a bucketed tensor. Processed now, at its own firing, when the gradient must be
         final before anything else runs (a post-accumulate hook registered after ours on the tensor), when
-        autograd records the body (`.grad` requires grad: create_graph=True) or outside a backward."""
+        autograd records the body (`.grad` requires grad: create_graph=True), outside a backward, for a sharded
+        (FSDP2) gradient, and in a process group of several ranks (see GradHook._check_distributed)."""
         hook = self._hook()
         grad = param.grad
         if hook is None or grad is None:
             return
         backward_key = torch._C._current_graph_task_id()
-        if backward_key < 0 or grad.requires_grad or entry.has_later_hooks(param):
+        sharded = distributed.is_dtensor(grad)
+        if not hook._distributed_checked and not sharded:
+            hook._check_distributed(entry)
+        if (backward_key < 0 or grad.requires_grad or entry.has_later_hooks(param) or self.at_firing
+                or sharded):
             hook.fire(param, entry, backward_key)
             return
         with self._lock:

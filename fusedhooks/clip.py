@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.autograd.graph import increment_version
 
-from . import runtime
+from . import distributed, runtime
 from .api import GradHook
 from .registry import Entry, Measurement
 
@@ -119,6 +119,9 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
             values = transform(values)
         values = _refresh(values, layout, grads, entries, norm_type)
         norms = [values[g.start:g.stop].to(g.dtype) for g in layout.groups]
+    elif layout.key[-1]:
+        raise ValueError(f"clip_grad_norm_ of sharded (FSDP2) parameters takes norm_type 2.0 or inf (the "
+                         f"whole-parameter norms come from the hook's statistics), not {norm_type}")
     else:
         norms = [_norms_from_grads([grads[i] for i in g.members], g.device, norm_type, foreach)
                  .to(layout.first_device) for g in layout.groups]
@@ -197,7 +200,11 @@ def _refresh(values: torch.Tensor, layout: _Layout, grads: list[torch.Tensor], e
         return values
     values = values.clone()
     for position, i in recompute:
-        values[position] = torch.linalg.vector_norm(grads[i], norm_type).to(values.dtype)
+        full = entries[i].tensor.grad
+        if distributed.is_dtensor(full):  # the whole parameter's norm, from every rank's shard
+            values[position] = distributed.whole_norm(entries[i].name, entries[i].tensor, norm_type).to(values.device)
+        else:
+            values[position] = torch.linalg.vector_norm(grads[i], norm_type).to(values.dtype)
     for coef, positions in rescale.values():
         index = torch.tensor(positions, device=values.device)
         values[index] = values[index] * coef.to(values.device, values.dtype)
@@ -205,9 +212,10 @@ def _refresh(values: torch.Tensor, layout: _Layout, grads: list[torch.Tensor], e
 
 
 def _collect(hook: GradHook, need_fired: bool) -> tuple[list[torch.Tensor], list[Entry], tuple]:
-    """The gradients that count (registration order), their entries, and the key telling whether a cached
-    layout still fits."""
-    grads, entries, key = [], [], []
+    """The gradients that count (registration order; of a sharded parameter, this rank's shard), their
+    entries, and the key telling whether a cached layout still fits (its last item: the positions of sharded
+    gradients)."""
+    grads, entries, key, sharded = [], [], [], []
     for entry in hook.registry:
         p = entry.tensor
         if p is None:
@@ -219,14 +227,18 @@ def _collect(hook: GradHook, need_fired: bool) -> tuple[list[torch.Tensor], list
             raise ValueError(f"{entry.name} has a .grad but {hook.__name__} has not fired on it (since it was "
                              "registered, or since stats.reset()), so its norm is unknown; run backward with the "
                              "hook registered before clip_grad_norm_")
+        if distributed.is_dtensor(g):  # FSDP2: this rank's shard is scaled; its norm is the whole parameter's
+            sharded.append(len(grads))
+            g = g._local_tensor
         grads.append(g)
         entries.append(entry)
         key += (entry.row, g.data_ptr(), g.numel(), g.dtype)
-    return grads, entries, tuple(key)
+    return grads, entries, tuple(key + [tuple(sharded)])
 
 
 def _build_layout(hook: GradHook, grads: list[torch.Tensor], key: tuple, slot: int | None) -> _Layout:
-    rows = key[0::4]
+    rows = key[0:-1:4]
+    sharded = set(key[-1])
     grouped = _group_by_device_and_dtype(grads)
     total_dtype = functools.reduce(torch.promote_types, (dtype for (_, dtype), _ in grouped))
     groups, order = [], []
@@ -239,7 +251,7 @@ def _build_layout(hook: GradHook, grads: list[torch.Tensor], key: tuple, slot: i
         device = hook.stats.device
         n_slots = len(hook.stats.slot_names)
         index = torch.tensor([rows[i] * n_slots + slot for i in order], dtype=torch.int64).to(device)
-        empty = [grads[i].numel() == 0 for i in order]
+        empty = [grads[i].numel() == 0 and i not in sharded for i in order]  # a shard's row: the whole's norm
         if any(empty):
             empty_mask = torch.tensor(empty).to(device)
     return _Layout(key, groups, index, empty_mask, grads[0].device)

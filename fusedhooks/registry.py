@@ -36,6 +36,7 @@ class Entry:
     checked_shape: tuple | None = None
     bucket_bytes: int = 0  # > 0: processed in end-of-backward buckets of this many gradient bytes
     torch_hook_id: int | None = None  # our key in the tensor's _post_accumulate_grad_hooks
+    averaged: bool = False  # registered through DDP's communication hook (register(ddp_model))
     measured: Measurement | None = None
 
     @property

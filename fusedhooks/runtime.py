@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -107,9 +108,18 @@ class Workspace:
         return self.hist
 
 
+#: The Triton interpreter keeps the running program's ids in global state: interpreted launches from several
+#: threads (DDP's communication callbacks run on the process group's threads) take turns.
+_interpreter_lock = threading.Lock()
+
+
 def launch(kernel, grid: tuple, *args, **meta) -> None:
     """Every kernel launch of fusedhooks goes through here (tests count launches by wrapping it)."""
-    kernel[grid](*args, **meta)
+    if interpreting():
+        with _interpreter_lock:
+            kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, **meta)
 
 
 def kernels_for(plan: Plan, module, grid: int) -> list:

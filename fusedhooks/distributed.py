@@ -1,0 +1,468 @@
+"""Distributed training: DDP and FSDP2.
+
+- DDP (`hook.register(ddp_model)`): the hook runs inside DDP's communication hook, on the averaged flat bucket
+  (all-reduce, then one multi-tensor launch per pass over the bucket's per-parameter views), before DDP copies
+  the bucket into `.grad`. Every rank sees the same averaged gradients and records the same statistics.
+- FSDP2 (`fully_shard`): FSDP calls post-accumulate hooks on the sharded DTensor parameters after its
+  reduce-scatter. The body runs on this rank's shard in place; the statistics recorded on the shard are
+  partials (`partial_stats`) that one collective per backward (`ShardStats`) merges into the statistics of the
+  whole parameter, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import runtime
+from .ir import STAT_NAMES
+from .stats import HookStats
+
+if TYPE_CHECKING:
+    from .api import GradHook, RegistrationHandle
+    from .registry import Entry
+
+
+class LocalGradientWarning(UserWarning):
+    """A hook in a process group of several ranks processes each rank's own (under DDP: un-averaged) gradient."""
+
+
+def _dist():
+    return torch.distributed if torch.distributed.is_available() else None
+
+
+def world_size() -> int | None:
+    """The default process group's size, or None when there is none (yet)."""
+    dist = _dist()
+    if dist is None or not dist.is_initialized():
+        return None
+    return dist.get_world_size()
+
+
+_DTensor = None
+
+
+def is_dtensor(t) -> bool:
+    """Is `t` a DTensor (an FSDP2-sharded parameter or its gradient)? Imports nothing distributed otherwise."""
+    global _DTensor
+    if _DTensor is None:
+        if _dist() is None:
+            return False
+        from torch.distributed.tensor import DTensor
+
+        _DTensor = DTensor
+    return isinstance(t, _DTensor)
+
+
+def is_ddp(target) -> bool:
+    dist = _dist()
+    return dist is not None and isinstance(target, torch.nn.parallel.DistributedDataParallel)
+
+
+# --- DDP: the averaged bucket, in DDP's communication hook ---------------------------------------------------
+
+class _DDPState:
+    """What the communication hook of one `register(ddp_model)` needs (DDP keeps it as the hook's state)."""
+
+    def __init__(self, hook: GradHook, process_group, entries: dict[int, Entry]):
+        self.hook = weakref.ref(hook)
+        self.process_group = process_group
+        self.entries = entries  # id(parameter) -> its entry
+        self.active = True  # False after handle.remove(): DDP cannot unregister a comm hook; it just all-reduces
+        self.running: weakref.WeakValueDictionary[int, _PendingBuckets] = weakref.WeakValueDictionary()
+        self.lock = threading.Lock()
+
+
+def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> RegistrationHandle:
+    """`hook.register(ddp_model)`: process the averaged gradients of `ddp_model.module`'s parameters (keyed by
+    their names there, `name` a prefix) inside DDP's communication hook."""
+    from .api import RegistrationHandle
+
+    if bucket_mb:
+        raise ValueError("register(ddp_model) processes DDP's own buckets, one launch per pass each (their size is "
+                         "DistributedDataParallel's bucket_cap_mb=); do not pass bucket_mb=")
+    if getattr(ddp, "static_graph", False):
+        raise ValueError("register(ddp_model) does not support DistributedDataParallel(static_graph=True) yet: on its "
+                         "first iteration DDP reduces every bucket after backward, past the point where fusedhooks "
+                         "processes them; use static_graph=False")
+    pairs = [(n, p) for n, p in hook._targets(ddp.module, name) if p.requires_grad]
+    hook._check_targets(pairs)
+    entries, added = {}, []
+    try:
+        for pname, p in pairs:
+            entry = hook._add(pname, p)
+            added.append(entry)
+            entry.checked_shape = p.shape
+            entry.averaged = True
+            entries[id(p)] = entry
+        state = _DDPState(hook, ddp.process_group, entries)
+        try:
+            ddp.register_comm_hook(state, _comm_hook)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} (fusedhooks processes the averaged gradients in a DDP communication hook of "
+                               "its own, and DDP takes one per model: register the fusedhooks hook on a DDP model "
+                               "without a communication hook)") from e
+    except BaseException:
+        hook.registry.discard(added)
+        raise
+    handle = RegistrationHandle(hook)
+    for _, p in pairs:
+        handle._add(p, _NoTorchHook(), hook.registry)
+    handle._on_remove.append(lambda: setattr(state, "active", False))
+    return handle
+
+
+class _NoTorchHook:
+    """The torch-hook slot of a DDP registration (there is none: DDP's communication hook is ours)."""
+
+    def remove(self) -> None:
+        pass
+
+
+def _bucket_views(buffer: torch.Tensor, params: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+    """Each parameter's gradient in DDP's flat bucket, laid out as DDP lays it out (the parameter's strides when
+    it is dense, else contiguous)."""
+    views = []
+    for p, offset in zip(params, offsets):
+        if p.is_contiguous() or _dense(p):
+            views.append(buffer.as_strided(p.shape, p.stride(), buffer.storage_offset() + offset))
+        else:
+            views.append(buffer.narrow(0, offset, p.numel()).view(p.shape))
+    return views
+
+
+def _dense(t: torch.Tensor) -> bool:
+    from .layout import flat_span
+
+    return flat_span(t) is not None
+
+
+def _comm_hook(state, bucket):  # no annotations: DDP checks them, and `from __future__ import annotations` strings them
+    """DDP's communication hook: all-reduce the bucket (the average, as DDP does), then process it in place."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    fut = allreduce_hook(state.process_group, bucket)
+    hook = state.hook()
+    if hook is None or not state.active or hook._paused:
+        return fut
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    offsets = [g.storage_offset() - buffer.storage_offset() for g in bucket.gradients()]
+    items = [(state.entries.get(id(p)), p, offset) for p, offset in zip(params, offsets)]
+    items = [(e, p, offset) for e, p, offset in items if e is not None]
+    if not items:
+        return fut
+    backward_key = torch._C._current_graph_task_id()
+    if backward_key < 0:  # not from a backward (DDP always calls it from one): processed when reduced
+        return fut.then(lambda f: _process_bucket(hook, f, items, backward_key))
+    pending = _pending_for(state.running, state.lock, backward_key, lambda: _PendingBuckets(state, backward_key))
+    pending.buckets.append((fut, items))
+    return fut
+
+
+def _pending_for(running: weakref.WeakValueDictionary, lock: threading.Lock, backward_key: int, make):
+    """The pending state of the running backward `backward_key`: made by `make()` at its first use and held
+    strongly only by the end-of-backward callback (its `run`) queued then, so a backward that raises drops it."""
+    with lock:
+        pending = running.get(backward_key)
+        if pending is None:
+            pending = make()
+            torch.autograd.Variable._execution_engine.queue_callback(pending.run)
+            running[backward_key] = pending
+    return pending
+
+
+def _process_bucket(hook: GradHook, fut: torch.futures.Future, items: list, backward_key: int) -> torch.Tensor:
+    """Process the averaged flat bucket `fut` holds: one launch per pass for its parameters."""
+    from .buckets import process_together
+
+    flat = fut.wait()
+    if isinstance(flat, list):
+        flat = flat[0]
+    views = _bucket_views(flat, [p for _, p, _ in items], [offset for _, _, offset in items])
+    process_together(hook, [(e, v, p) for (e, p, _), v in zip(items, views)], backward_key)
+    return flat
+
+
+class _PendingBuckets:
+    """The buckets of one backward, processed when it ends, on the autograd thread, before DDP's finalisation
+    copies them into `.grad` (DDP queues that callback after ours, and waits for the same futures). Held by
+    the callback only: a backward that raises leaves nothing behind."""
+
+    def __init__(self, state: _DDPState, backward_key: int):
+        self.state = state
+        self.backward_key = backward_key
+        self.buckets: list[tuple[torch.futures.Future, list]] = []
+
+    def run(self) -> None:
+        hook = self.state.hook()
+        if hook is None:
+            return
+        hook.stats.begin_firing(self.backward_key)
+        entries = []
+        for fut, items in self.buckets:  # waiting here: the all-reduce is done (CUDA: the stream waits for it)
+            _process_bucket(hook, fut, items, self.backward_key)
+            entries += [e for e, _, _ in items]
+        # queued from a callback: runs after DDP's finalisation, when `.grad` holds the processed values
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _record_final(entries))
+
+
+def _record_final(entries: list[Entry]) -> None:
+    """The statistics rows describe the final `.grad`s (DDP copied the buckets into them, or they are views)."""
+    for entry in entries:
+        p = entry.tensor
+        if p is not None and p.grad is not None:
+            entry.record(p.grad)
+
+
+# --- FSDP2: shards processed locally, statistics merged across ranks ------------------------------------------
+
+#: The partials each statistic of a whole parameter is merged from.
+_PARTIALS = {
+    "count": ("count",), "sum": ("sum",), "mean": ("count", "sum"), "sumsq": ("sumsq",), "norm": ("norm",),
+    "var": ("count", "sum", "var"), "std": ("count", "sum", "var"), "min": ("count", "min"),
+    "max": ("count", "max"), "absmax": ("count", "absmax"), "nan": ("nan",), "inf": ("inf",),
+    "zeros": ("zeros",), "hist": ("hist",),
+}
+_SUMMED = frozenset({"count", "sum", "sumsq", "nan", "inf", "zeros"})
+
+
+def partial_stats(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The statistics a shard records so that `names` of the whole parameter can be merged from the ranks'."""
+    needed = {p for n in names for p in _PARTIALS[n]}
+    return tuple(n for n in STAT_NAMES + ("hist",) if n in needed)
+
+
+def shard_group(name: str, t: torch.Tensor):
+    """The process group across which `t`'s (a DTensor's) shards are spread: its mesh dimension of Shard
+    placement (other dimensions must be Replicate: HSDP keeps whole copies there)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    shard_dims = [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+    others = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
+    if others or len(shard_dims) > 1:
+        raise ValueError(f"{name}: a DTensor placed as {tuple(t.placements)}; fusedhooks merges the statistics "
+                         "of parameters sharded along one mesh dimension (FSDP2's Shard, HSDP's Replicate + "
+                         "Shard); other placements are not supported")
+    if not shard_dims:
+        return None
+    return t.device_mesh.get_group(shard_dims[0])
+
+
+def merge_partials(parts: torch.Tensor, partial_slots: tuple[str, ...], slots: tuple[str, ...]) -> torch.Tensor:
+    """The statistics `slots` of whole parameters from their ranks' partials.
+
+    parts: float64 [ranks, parameters, len(partial_slots)], rank order; returns float64 [parameters, len(slots)].
+    Counts and sums add, min/max/absmax over the ranks whose shard is not empty (NaN propagates), variance by
+    the stable pairwise merge (Chan et al.) of each shard's count, mean and M2.
+    """
+    first = {}
+    for j, s in enumerate(partial_slots):
+        first.setdefault(s, j)
+    out, j = [], 0
+    while j < len(slots):
+        s = slots[j]
+        prefix = "input." if s.startswith("input.") else ""
+        name = s[len(prefix):]
+        if name == "hist":
+            k, bins = first[s], slots.count(s)
+            out.extend(parts[:, :, k:k + bins].sum(0).unbind(-1))
+            j += bins
+            continue
+        out.append(_merge_one(name, lambda stat, prefix=prefix: parts[:, :, first[prefix + stat]]))
+        j += 1
+    return torch.stack(out, dim=-1)
+
+
+def _merge_one(name: str, col) -> torch.Tensor:
+    if name in _SUMMED:
+        return col(name).sum(0)
+    if name == "norm":
+        norms = col("norm")  # scaled by the largest, so that squares of fp64 norms cannot overflow
+        scale = norms.abs().amax(0).clamp_min(torch.finfo(torch.float64).tiny)
+        merged = (norms / scale).square().sum(0).sqrt() * scale
+        infinite = norms.isinf().any(0) & ~norms.isnan().any(0)
+        return torch.where(infinite, math.inf, merged)
+    count = col("count")
+    total = count.sum(0)
+    nan = torch.tensor(math.nan, dtype=torch.float64, device=count.device)
+    if name == "mean":
+        return torch.where(total > 0, col("sum").sum(0) / total, nan)
+    if name in ("var", "std"):
+        sums = col("sum")
+        mean = sums.sum(0) / total
+        m2 = torch.where(count > 1, col("var") * (count - 1), 0.0).sum(0)
+        spread = torch.where(count > 0, count * (sums / count - mean).square(), 0.0).sum(0)
+        var = torch.where(total > 1, (m2 + spread) / (total - 1), nan)
+        return var if name == "var" else var.sqrt()
+    fill = math.inf if name == "min" else -math.inf
+    values = torch.where(count > 0, col(name), fill)
+    merged = values.amin(0) if name == "min" else values.amax(0)
+    return torch.where(total > 0, merged, nan)
+
+
+class _PendingMerge:
+    """The sharded parameters that fired in one backward, merged when it ends (held by that callback)."""
+
+    def __init__(self, shards: ShardStats, backward_key: int):
+        self.shards = shards
+        self.backward_key = backward_key
+        self.rows: dict[object, set[int]] = {}  # process group -> statistics rows
+
+    def run(self) -> None:
+        self.shards.merge(self.rows)
+
+
+class ShardStats:
+    """A hook's statistics of sharded (FSDP2) parameters: each firing records its shard's partials in
+    `partials` (a HookStats of `partial_stats` slots, rows as the hook's); when the backward ends, one
+    all-gather per process group (one in all for FSDP2) brings every rank's partials, and each rank merges them
+    the same way into the hook's statistics rows."""
+
+    def __init__(self, hook: GradHook):
+        self._hook = weakref.ref(hook)
+        self.partials = HookStats(partial_stats(hook.stat_names), partial_stats(hook.input_stat_names),
+                                  hook.hist_range)
+        self._running: weakref.WeakValueDictionary[int, _PendingMerge] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+        self._index: dict[tuple, torch.Tensor] = {}
+
+    def _partial_row(self, row: int, device: torch.device) -> torch.Tensor:
+        names = self._hook().stats.names
+        while len(self.partials.names) <= row:
+            self.partials.add_row(names[len(self.partials.names)], device)
+        return self.partials.row(row)
+
+    def fire(self, entry: Entry, param: torch.Tensor, grad: torch.Tensor, backward_key: int) -> None:
+        """Process this rank's shard of `grad` (a DTensor) in place; record its partials for the merge."""
+        hook = self._hook()
+        if entry.checked_shape != grad.shape:
+            hook._check_sharded(entry.name, param)
+            hook._check_shape(entry.name, grad)
+            entry.checked_shape = grad.shape
+        group = shard_group(entry.name, param)
+        local, local_param = grad._local_tensor, param._local_tensor
+        compiled = hook.compiled(local.dtype, local.device, shard=True)
+        hook.stats.begin_firing(backward_key)
+        partial_row = None
+        if compiled.plan.slots:
+            hook.stats.row(entry.row)  # marks it written by this backward (merged into when it ends)
+            partial_row = self._partial_row(entry.row, local.device)
+        runtime.fire(compiled.plan, compiled.kernel, local, local_param, hook.scalars, partial_row,
+                     hook.workspace(local.device))
+        entry.record(local)
+        if partial_row is None:
+            return
+        if backward_key < 0:  # called by hand: every rank calls it, and it merges now
+            self.merge({group: {entry.row}})
+            return
+        pending = _pending_for(self._running, self._lock, backward_key, lambda: _PendingMerge(self, backward_key))
+        pending.rows.setdefault(group, set()).add(entry.row)
+
+    def merge(self, rows_by_group: dict[object, set[int]]) -> None:
+        """One all-gather of the partial rows per process group; every rank merges them into the same values."""
+        hook = self._hook()
+        stats = hook.stats
+        for group, rows in rows_by_group.items():
+            rows = sorted(rows)
+            device = stats.tensor.device
+            key = (device, tuple(rows))
+            index = self._index.get(key)
+            if index is None:
+                if len(self._index) > 64:
+                    self._index.clear()
+                index = self._index[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+            part = self.partials.tensor.index_select(0, index)
+            if group is None:
+                ranks = 1
+                gathered = part
+            else:
+                dist = _dist()
+                ranks = dist.get_world_size(group)
+                gathered = torch.empty((ranks * len(rows), part.shape[1]), dtype=part.dtype, device=device)
+                dist.all_gather_into_tensor(gathered, part, group=group)
+            merged = merge_partials(gathered.view(ranks, len(rows), -1), self.partials.slot_names,
+                                    stats.slot_names)
+            stats.tensor.index_copy_(0, index, merged)
+
+
+def whole_norm(name: str, param: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The `norm_type` norm of a sharded parameter's whole gradient (float64, 0-dim): this rank's part, then one
+    all-reduce across the shards (every rank must call it). An empty shard contributes nothing."""
+    dist = _dist()
+    local = param.grad._local_tensor.detach().reshape(-1).double()
+    zero = torch.zeros((), dtype=torch.float64, device=local.device)
+    if norm_type == math.inf:
+        value, op = (local.abs().amax() if local.numel() else zero), dist.ReduceOp.MAX
+    elif norm_type == -math.inf:
+        value = local.abs().amin() if local.numel() else zero + math.inf
+        op = dist.ReduceOp.MIN
+    else:
+        value, op = local.abs().pow(norm_type).sum(), dist.ReduceOp.SUM
+    group = shard_group(name, param)
+    if group is not None:
+        dist.all_reduce(value, op=op, group=group)
+    return value if norm_type in (math.inf, -math.inf) else value.pow(1.0 / norm_type)
+
+
+# --- registration on a module follows its parameters (fully_shard replaces them) -----------------------------
+
+def current_parameters(module: torch.nn.Module, prefix: str | None) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) of `module` as a hook registers them, FSDP2-managed ones as their sharded DTensor
+    parameters (inside FSDP's forward the module holds unsharded ones)."""
+    sharded = {}
+    dist = _dist()
+    if dist is not None:
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover
+            FSDPModule = ()
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                for group in m._get_fsdp_state()._fsdp_param_groups:
+                    for fp in group.fsdp_params:
+                        sharded[id(fp.sharded_param)] = fp.sharded_param
+                        unsharded = getattr(fp, "_unsharded_param", None)
+                        if unsharded is not None:
+                            sharded[id(unsharded)] = fp.sharded_param
+    head = f"{prefix}." if prefix else ""
+    return [(head + n, sharded.get(id(p), p)) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _fingerprint(module: torch.nn.Module) -> tuple:
+    # fully_shard changes the class of every module it is applied to
+    return tuple(type(m) for m in module.modules())
+
+
+def follow_parameters(hook: GradHook, module: torch.nn.Module, prefix: str | None, bucket_bytes: int,
+                      handle: RegistrationHandle) -> None:
+    """Keep a module registration on the module's current parameters: at each forward in a process group,
+    when a module of it has been `fully_shard`ed since (its class changed), the hook moves to the sharded
+    parameters (same names, rows cleared)."""
+    seen = [_fingerprint(module)]
+
+    def check(mod, args) -> None:
+        if torch.compiler.is_compiling() or world_size() is None:
+            return
+        fingerprint = _fingerprint(mod)
+        if fingerprint == seen[0]:
+            return
+        seen[0] = fingerprint
+        pairs = current_parameters(mod, prefix)
+        now = {id(t) for t in handle.tensors}
+        if {id(t) for _, t in pairs} == now:
+            return
+        for _, torch_handle, _ in handle._items:
+            torch_handle.remove()
+        for t in handle.tensors:
+            hook.registry.remove(t)
+        handle._items.clear()
+        hook._check_targets(pairs)
+        hook._register_pairs(pairs, bucket_bytes, handle)
+
+    pre = module.register_forward_pre_hook(check)
+    handle._on_remove.append(pre.remove)

@@ -1,0 +1,330 @@
+"""What each rank runs in tests/test_distributed.py (a module of its own: spawned processes import it).
+
+Each worker checks its rank's results against a plain-torch reference built on the same rank (an unwrapped
+copy of the model, gradients averaged with `dist.all_reduce`) and raises AssertionError on any difference.
+"""
+
+import copy
+import datetime
+import math
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from helpers import check_stats
+
+STATS = ("count", "sum", "mean", "sumsq", "norm", "var", "std", "min", "max", "absmax", "nan", "inf", "zeros")
+INPUT_STATS = ("count", "mean", "norm", "var", "std", "min", "max", "absmax")
+CLAMP = 0.01
+
+
+def init_and_run(rank: int, fn, world: int, port: int, backend: str, args: tuple) -> None:
+    """The entry point of every spawned rank: join the process group, run `fn`, leave."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    try:
+        fn(rank, world, device, *args)
+    finally:
+        dist.destroy_process_group()
+    # gloo with a communication hook can abort at interpreter exit ("terminate called without an active
+    # exception", also without fusedhooks): a rank that passed leaves without running C++ destructors
+    os._exit(0)
+
+
+def _mlp(device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8),
+                               torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(device)
+
+
+def _batch(rank: int, step: int, micro: int, features: int, device) -> torch.Tensor:
+    """Different data on every rank, step and micro-batch."""
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return (torch.randn(6, features, generator=g) * 3).to(device)
+
+
+def _loss(model, x) -> torch.Tensor:
+    return model(x).square().sum() * 10
+
+
+def _averaged(grad: torch.Tensor, world: int) -> torch.Tensor:
+    """The mean of the ranks' `grad`, as DDP computes it (divide, then sum)."""
+    out = grad / world
+    dist.all_reduce(out)
+    return out
+
+
+def _hist_of(x: torch.Tensor, hist_range) -> list[int]:
+    from fusedhooks.reference import histogram
+
+    return [int(v) for v in histogram(x, hist_range).tolist()]
+
+
+def _check_clip(hook, params, grads_before, norm_type, max_norm=0.02) -> None:
+    """fh.clip_grad_norm_ == torch's clip_grad_norm_ on the same gradients (torch's on copies)."""
+    import fusedhooks as fh
+
+    copies = []
+    for g in grads_before:
+        t = torch.zeros_like(g, requires_grad=True)
+        t.grad = g.clone()
+        copies.append(t)
+    expected = torch.nn.utils.clip_grad_norm_(copies, max_norm, norm_type)
+    total = fh.clip_grad_norm_(hook, max_norm, norm_type)
+    assert torch.allclose(total, expected, rtol=1e-6, atol=0), (norm_type, total, expected)
+    for p, c in zip(params, copies):
+        assert torch.allclose(p.grad, c.grad, rtol=1e-6, atol=1e-12), norm_type
+
+
+# --- DDP -----------------------------------------------------------------------------------------------
+
+def ddp_averaged(rank: int, world: int, device) -> None:
+    """register(ddp_model): clamp + all statistics of the averaged gradient, several buckets, both
+    gradient_as_bucket_view settings, a no_sync() micro-batch; then fh.clip_grad_norm_ against torch's."""
+    import fusedhooks as fh
+    from fusedhooks import runtime
+
+    launches = []
+    fire_bucket = runtime.fire_bucket
+
+    def counting(plan, *args, **kwargs):
+        launches.append(plan)
+        return fire_bucket(plan, *args, **kwargs)
+
+    runtime.fire_bucket = counting
+    # several buckets: per-bucket caps (DDP rebuilds its buckets after the first iteration), or
+    # find_unused_parameters (which keeps them)
+    configs = ((False, {"bucket_cap_mb_list": [0.001] * 8}), (True, {"bucket_cap_mb": 0.001,
+                                                                       "find_unused_parameters": True}))
+    for view, options in configs:
+        model = _mlp(device)
+        ref = copy.deepcopy(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=view, **options)
+        hook = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP), stats=STATS + ("hist",), input_stats=INPUT_STATS)
+        handle = hook.register(ddp)
+        names = [n for n, _ in model.named_parameters()]
+        buckets = []
+        for step in range(3):
+            launches.clear()
+            xs = [_batch(rank, step, k, 16, device) for k in range(2)]
+            with ddp.no_sync():
+                _loss(ddp, xs[0]).backward()
+            assert not launches, "a no_sync() micro-batch must not process anything"
+            _loss(ddp, xs[1]).backward()
+            for x in xs:
+                _loss(ref, x).backward()
+            reading = hook.stats.read()
+            assert sorted(reading) == sorted(names) and not reading.stale
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                averaged = _averaged(q.grad, world)
+                assert torch.equal(p.grad, averaged.clamp(-CLAMP, CLAMP)), (view, step, name)
+                check_stats(reading[name], p.grad, STATS)
+                check_stats(reading[name], averaged, INPUT_STATS, prefix="input.")
+                assert reading[name]["hist"] == _hist_of(p.grad, hook.hist_range)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, reading)
+            assert all(r == gathered[0] for r in gathered), "statistics differ between ranks"
+            buckets.append(len(launches))
+            params = list(model.parameters())
+            before = [p.grad.clone() for p in params]
+            _check_clip(hook, params, before, 2.0)
+            for p, g in zip(params, before):
+                p.grad.copy_(g)
+            _check_clip(hook, params, before, math.inf)
+            ddp.zero_grad()
+            ref.zero_grad()
+        assert max(buckets) > 1, f"expected several DDP buckets (one launch each), got {buckets}"
+        handle.remove()
+        _loss(ddp, _batch(rank, 9, 0, 16, device)).backward()  # after remove(): DDP's plain average
+        _loss(ref, _batch(rank, 9, 0, 16, device)).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, _averaged(q.grad, world))
+    runtime.fire_bucket = fire_bucket
+
+
+def ddp_local(rank: int, world: int, device) -> None:
+    """A hook on the module DDP wraps (before or after wrapping, per gradient or bucketed): it processes each
+    rank's local gradient before DDP averages it, as an eager hook would, and warns once."""
+    import fusedhooks as fh
+
+    for view in (False, True):
+        for bucket_mb, before_wrap in ((None, False), (25, True)):
+            model = _mlp(device)
+            ref = copy.deepcopy(model)
+            hook = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP), stats=("norm",))
+            if before_wrap:
+                hook.register(model, bucket_mb=bucket_mb)
+            ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=view)
+            if not before_wrap:
+                hook.register(model, bucket_mb=bucket_mb)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for step in range(2):
+                    x = _batch(rank, step, 0, 16, device)
+                    _loss(ddp, x).backward()
+                    _loss(ref, x).backward()
+                    for p, q in zip(model.parameters(), ref.parameters()):
+                        assert torch.equal(p.grad, _averaged(q.grad.clamp(-CLAMP, CLAMP), world)), (view, bucket_mb)
+                        q.grad = None
+                    ddp.zero_grad()
+            local = [w for w in caught if issubclass(w.category, fh.LocalGradientWarning)]
+            assert len(local) == 1, [str(w.message) for w in caught]
+            assert "register(ddp_model)" in str(local[0].message)
+
+
+def ddp_refusals(rank: int, world: int, device) -> None:
+    """register(ddp_model) refuses what it cannot do, with what to do instead."""
+    import fusedhooks as fh
+
+    model = _mlp(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    hook = fh.grad_hook(lambda g: g * 2)
+    _raises(ValueError, "bucket_cap_mb", lambda: hook.register(ddp, bucket_mb=25))
+    ddp.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
+    _raises(RuntimeError, "communication hook", lambda: hook.register(ddp))
+    assert len(hook.registry) == 0, "a refused register() must leave nothing registered"
+    static = torch.nn.parallel.DistributedDataParallel(_mlp(device), static_graph=True)
+    _raises(ValueError, "static_graph", lambda: hook.register(static))
+
+
+def _raises(kind, match: str, call) -> None:
+    """call() raises `kind` with `match` in its message (pytest.raises, in a spawned rank)."""
+    try:
+        call()
+    except kind as e:
+        assert match in str(e), e
+    else:
+        raise AssertionError(f"expected {kind.__name__} matching {match!r}")
+
+
+def ddp_all(rank: int, world: int, device) -> None:
+    """Every DDP check in one group of processes (start-up is the expensive part)."""
+    ddp_averaged(rank, world, device)
+    ddp_local(rank, world, device)
+    ddp_refusals(rank, world, device)
+
+
+# --- FSDP2 -----------------------------------------------------------------------------------------------
+
+def _fsdp_mlp(device) -> torch.nn.Module:
+    """Two rows in the last layer: with 3 ranks one of them holds empty shards."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 2)).to(device)
+
+
+def _shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's FSDP2 shard of `full` (torch.chunk along dim 0; ranks past the last chunk hold none)."""
+    chunks = torch.chunk(full, world, dim=0)
+    return chunks[rank] if rank < len(chunks) else full.new_empty((0,) + full.shape[1:])
+
+
+def _close_stats(got: dict, x: torch.Tensor, names, prefix: str = "") -> None:
+    """Statistics of the reduced gradient before the body, whose bits depend on the reduction order: counts
+    exact, values within 1e-5 of the magnitude."""
+    from fusedhooks.reference import tensor_stats
+
+    scale = x.double().abs().sum().item() + 1e-30
+    for name, e in zip(names, (v.item() for v in tensor_stats(x, tuple(names)))):
+        g = got[prefix + name]
+        if name == "count":
+            assert g == e, (name, g, e)
+        else:
+            bound = 1e-5 * (abs(e) + (scale / x.numel() if name in ("mean", "min", "max", "absmax") else 0)) + 1e-12
+            if name in ("var", "std", "norm", "sum"):
+                bound += 1e-5 * scale * (1 if name == "sum" else 0)
+            assert abs(g - e) <= bound, (prefix + name, g, e)
+
+
+def fsdp(rank: int, world: int, device) -> None:
+    """FSDP2, hooks registered before and after fully_shard: local shards processed in place (elementwise
+    bodies, one reading the parameter), whole-parameter statistics identical on every rank, a
+    set_requires_gradient_sync(False) micro-batch, global clipping against torch's (and, for norm inf with an
+    empty shard, against the whole gradients), and bodies with whole-tensor reductions refused."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fusedhooks as fh
+
+    base = _fsdp_mlp(device)
+    ref, model_a, model_b = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    hook_a = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP), stats=STATS + ("hist",),
+                          input_stats=INPUT_STATS + ("hist",))
+    hook_a.register(model_a)  # before fully_shard: follows the module to its sharded parameters
+    for model in (model_a, model_b):
+        fully_shard(model[0])
+        fully_shard(model)
+    hook_b = fh.grad_hook(lambda g, p: (g + 1e-3 * p).clamp(-CLAMP, CLAMP), stats=("norm", "absmax"))
+    hook_b.register(model_b, bucket_mb=25)  # sharded gradients are processed at their firing all the same
+    scaled = fh.grad_hook(lambda g: g * 2, scaler=torch.amp.GradScaler("cpu"), optimizer=torch.optim.SGD(
+        model_b.parameters(), lr=0.1))
+    _raises(ValueError, "scaler= is not supported on sharded", lambda: scaled.register(model_b))
+    hook_c = fh.grad_hook(lambda g: g / g.norm())  # a whole-tensor reduction would be per shard: refused
+    _raises(fh.CompileError, "would be computed per shard", lambda: hook_c.register(model_b))
+    names = [n for n, _ in ref.named_parameters()]
+    merges = []
+    merge = type(hook_a._shards).merge
+
+    def counting(shards, rows_by_group):
+        merges.append(len(rows_by_group))  # one all-gather per process group
+        return merge(shards, rows_by_group)
+
+    type(hook_a._shards).merge = counting
+    for step in range(2):
+        merges.clear()
+        xs = [_batch(rank, step, k, 5, device) for k in range(2)]
+        for model in (model_a, model_b):
+            model.set_requires_gradient_sync(False)
+            _loss(model, xs[0]).backward()
+            model.set_requires_gradient_sync(True)
+            _loss(model, xs[1]).backward()
+        for x in xs:
+            _loss(ref, x).backward()
+        assert merges == [1, 1], f"one collective per hook per backward, all parameters together: {merges}"
+        reading = hook_a.stats.read()
+        assert sorted(reading) == sorted(names) and not reading.stale, reading.keys()
+        for (name, pa), pb, q in zip(model_a.named_parameters(), model_b.parameters(), ref.parameters()):
+            averaged = _averaged(q.grad, world)
+            expected_a = averaged.clamp(-CLAMP, CLAMP)
+            expected_b = (averaged + 1e-3 * q.detach()).clamp(-CLAMP, CLAMP)
+            local_a, local_b = pa.grad.to_local(), pb.grad.to_local()
+            assert torch.allclose(local_a, _shard(expected_a, rank, world), rtol=1e-5, atol=1e-8), name
+            assert torch.allclose(local_b, _shard(expected_b, rank, world), rtol=1e-5, atol=1e-8), name
+            whole = pa.grad.full_tensor()
+            check_stats(reading[name], whole, STATS)
+            assert reading[name]["hist"] == _hist_of(whole, hook_a.hist_range), name
+            _close_stats(reading[name], averaged, INPUT_STATS, prefix="input.")
+            assert sum(reading[name]["input.hist"]) == averaged.numel()
+            whole_b = pb.grad.full_tensor()
+            check_stats(hook_b.stats.read()[name], whole_b, ("norm", "absmax"))
+        gathered = [None] * world
+        dist.all_gather_object(gathered, reading)
+        assert all(r == gathered[0] for r in gathered), "statistics differ between ranks"
+
+        params = list(model_a.parameters())
+        before = [p.grad.to_local().clone() for p in params]
+        total = fh.clip_grad_norm_(hook_a, 0.02)
+        after = [p.grad.to_local().clone() for p in params]
+        for p, g in zip(params, before):
+            p.grad.to_local().copy_(g)
+        expected = torch.nn.utils.clip_grad_norm_(params, 0.02).full_tensor()  # torch's: a replicated DTensor
+        assert torch.allclose(total, expected, rtol=1e-6, atol=0), (total, expected)
+        for p, a in zip(params, after):
+            assert torch.allclose(p.grad.to_local(), a, rtol=1e-6, atol=1e-12)
+        for p, g in zip(params, before):
+            p.grad.to_local().copy_(g)
+        # changed since measured (copy_ above): norms re-read from the gradients, of the whole parameters
+        absmax = max(p.grad.full_tensor().abs().max() for p in params)
+        total_inf = fh.clip_grad_norm_(hook_a, 0.02, math.inf)
+        assert total_inf.item() == absmax.item(), (total_inf, absmax)
+        if world == 2:  # with an empty shard (3 ranks) torch's own inf-norm clip raises on that rank
+            for p, g in zip(params, before):
+                p.grad.to_local().copy_(g)
+            assert torch.equal(torch.nn.utils.clip_grad_norm_(params, 0.02, math.inf).full_tensor(), total_inf)
+        for model in (model_a, model_b, ref):
+            model.zero_grad()
