@@ -208,14 +208,21 @@ class _PendingBuckets:
             _process_bucket(hook, fut, items, self.backward_key)
             entries += [e for e, _, _ in items]
         # queued from a callback: runs after DDP's finalisation, when `.grad` holds the processed values
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _record_final(entries))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _record_final(hook, entries))
 
 
-def _record_final(entries: list[Entry]) -> None:
-    """The statistics rows describe the final `.grad`s (DDP copied the buckets into them, or they are views)."""
+def _record_final(hook: GradHook, entries: list[Entry]) -> None:
+    """The statistics rows describe the final `.grad`s (DDP copied the buckets into them, or they are views).
+    A parameter no rank used (find_unused_parameters=True) keeps no `.grad`: no eager hook would have fired on
+    it, so its row (of the bucket's zeros) is cleared."""
     for entry in entries:
         p = entry.tensor
-        if p is not None and p.grad is not None:
+        if p is None:
+            continue
+        if p.grad is None:
+            hook.stats.clear_row(entry.row)
+            entry.measured = None
+        else:
             entry.record(p.grad)
 
 

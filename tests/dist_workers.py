@@ -193,6 +193,18 @@ def ddp_refusals(rank: int, world: int, device) -> None:
     static = torch.nn.parallel.DistributedDataParallel(_mlp(device), static_graph=True)
     _raises(ValueError, "static_graph", lambda: hook.register(static))
 
+    # a parameter no rank uses keeps no .grad under DDP, and no statistics (no eager hook would fire on it)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(16, 2), "unused": torch.nn.Linear(16, 2)}).to(device)
+    model.forward = lambda x: model["used"](x)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    stats_hook = fh.grad_hook(stats=("norm",))
+    stats_hook.register(ddp)
+    _loss(ddp, _batch(rank, 0, 0, 16, device)).backward()
+    assert model["unused"].weight.grad is None
+    assert sorted(stats_hook.stats.read()) == ["used.bias", "used.weight"], stats_hook.stats.read()
+    total = torch.nn.utils.get_total_norm([p.grad for p in model["used"].parameters()])
+    assert torch.allclose(fh.clip_grad_norm_(stats_hook, 1e9), total, rtol=1e-6, atol=0)
+
 
 def _raises(kind, match: str, call) -> None:
     """call() raises `kind` with `match` in its message (pytest.raises, in a spawned rank)."""
