@@ -32,13 +32,16 @@ step() {  # step NAME SECONDS LOG COMMAND...: run with a time limit, log stdout+
     pip list 2>/dev/null | grep -i -E '^(torch|triton|numpy|pytest|hypothesis|matplotlib) '
 } > "$out/env.txt" 2>&1
 
-# Budget (seconds): 45 + 90 + 75 + 230 = 440, and at most 10 s more per step that ignores SIGINT. The benchmark
+# Budget (seconds): 45 + 60 + 90 + 75 + 200 = 470, and at most 10 s more per step that ignores SIGINT. The benchmark
 # gets the most: only this machine can measure it (the CPU runs every test, in the Triton interpreter).
 step install   45 install.log     pip install --no-deps --no-build-isolation -e .
+# The ahead-of-time build report for this GPU's architecture, with this machine's triton (registers, spills,
+# vector widths next to the measured bandwidth).
+step build     60 build.log       python -m fusedhooks build --target cuda:90 --dtypes fp32,bf16 --json "$out/build.json"
 step gpu-tests 90 pytest_gpu.log python -m pytest -q -m gpu tests/ --durations=10
 # The rest of the suite (with the step above: the whole suite), on CUDA, where conftest does not interpret.
 step tests     75 pytest_rest.log python -m pytest -q -m "not gpu" tests/ --durations=10
 # The benchmark starts no new measurement after --budget-s; the time limit is the backstop. results.json is
 # written after every workload, so even a cut-short run leaves figures.
 # Tables: results.md; every figure: results.json; tracebacks of failed cases: bench.log.
-step bench     230 bench.log      python benchmarks/run.py --device cuda --out "$out" --budget-s 200
+step bench     200 bench.log      python benchmarks/run.py --device cuda --out "$out" --budget-s 170

@@ -23,7 +23,18 @@ def main(argv=None) -> int:
     tune.add_argument("--quick", action="store_true", help="few sizes and configurations (CI)")
     tune.add_argument("--out", help="the tuning cache file (default: FUSEDHOOKS_TUNE_CACHE or "
                                     "<cache dir>/tuning.json)")
+    build = sub.add_parser("build", help="compile every kernel family for GPU targets (no GPU needed) and report "
+                                         "registers, spills and load/store widths")
+    build.add_argument("--target", default="cuda:90", help="cuda:80, cuda:90, hip:gfx942, a comma-separated list, "
+                                                           "or all (default cuda:90)")
+    build.add_argument("--dtypes", default="fp32,bf16,fp16,fp64", help="comma-separated: fp32, bf16, fp16, fp64")
+    build.add_argument("--json", help="also write the reports to this file (a list of objects)")
+    build.add_argument("--num-warps", type=int, default=None, help="override the runtime's warps (default: its "
+                                                                     "choice per kernel)")
     args = parser.parse_args(argv)
+    if args.command == "build":
+        from .build import main as build_main
+        return build_main(args)
     if args.command == "tune":
         import torch
         if args.out:

@@ -296,8 +296,14 @@ class _KernelWriter:
         self.reductions = self.g.reductions()
         self.reduction_slot = {n.index: k for k, n in enumerate(self.reductions)}
         self.hist_sets = [kind for kind, names in plan.stat_sets if "hist" in names]
+        self.signatures: dict[str, dict[str, str]] = {}
 
     # --- signature -----------------------------------------------------------------------------
+
+    def kernel(self, name: str, args: list[str], body: list[str], doc: str) -> list[str]:
+        """The source lines of kernel `name`; its argument types go into `self.signatures` (see SIGNATURES)."""
+        self.signatures[name] = {a.split(",")[0].split(":")[0]: _sig_type(a) for a in args}
+        return _kernel(name, args, body, doc)
 
     def signature(self) -> list[str]:
         p, g = self.plan, self.g
@@ -328,7 +334,9 @@ class _KernelWriter:
                         "zeroed by the last program")
         if not self.multi:
             args.append("numel,  # elements in the span")
-        args += ["BLOCK: tl.constexpr,  # elements per program",
+        args += ["ALIGNED: tl.constexpr,  # gradient (and parameter) addresses 16-byte aligned and every numel a "
+                 "multiple of 16 bytes: a vectorisation hint, true whenever set (runtime.aligned)",
+                 "BLOCK: tl.constexpr,  # elements per program",
                  "RBLOCK: tl.constexpr,  # partial rows merged at a time"]
         return args
 
@@ -356,6 +364,12 @@ class _KernelWriter:
                 lines.append(f"hist_ptr += t * {len(self.hist_sets)} * HIST_PAD")
         else:
             lines = ["pid = tl.program_id(0).to(tl.int64)", "num_blocks = tl.num_programs(0)"]
+        vec = 16 // _ELEMENT_SIZE[g.grad_dtype]
+        lines += ["if ALIGNED:  # the mask is uniform over each 16 bytes: 128-bit loads and stores",
+                  f"    numel = tl.multiple_of(numel.to(tl.int64), {vec})"]
+        lines.append("    grad_ptr = tl.multiple_of(grad_ptr, 16)")
+        if g.uses_param:
+            lines.append("    param_ptr = tl.multiple_of(param_ptr, 16)")
         lines += ["offs = pid * BLOCK + tl.arange(0, BLOCK)", "mask = offs < numel",
                   f"grad = {_widen('tl.load(grad_ptr + offs, mask=mask, other=0)', g.grad_dtype)}"]
         if self.plan.amp:
@@ -483,8 +497,9 @@ class _KernelWriter:
 
     def simple_kernel(self) -> list[str]:
         em = self.emitter({})
-        return _kernel(KERNEL_NAME + self.suffix, self.signature(), self.prologue() + self.final_body(em, single=False),
-                       "the body, its store and the statistics, in one pass")
+        return self.kernel(KERNEL_NAME + self.suffix, self.signature(),
+                           self.prologue() + self.final_body(em, single=False),
+                           "the body, its store and the statistics, in one pass")
 
     def reduce_kernel(self, level: int) -> list[str]:
         available = {n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions if self.g.depth(n) < level}
@@ -497,13 +512,13 @@ class _KernelWriter:
                                                        f"({{}}).to(tl.float64))  # {n.name}")
         body = self.prologue() + loads + em.lines + ["n_valid = tl.minimum(numel - pid * BLOCK, BLOCK)"]
         body += self.partial_lines(sets) + _last_program(self.merge_lines(sets, "num_blocks"))
-        return _kernel(f"reduce_level{level}{self.suffix}", self.signature(), body,
+        return self.kernel(f"reduce_level{level}{self.suffix}", self.signature(), body,
                        f"reduction pass {level}: leaves its results in reduced_ptr")
 
     def final_kernel(self) -> list[str]:
         em = self.emitter({n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions})
         loads = [f"r{k} = {_from_reduced(n, f'tl.load(reduced_ptr + {k})')}" for k, n in enumerate(self.reductions)]
-        return _kernel(KERNEL_NAME + self.suffix, self.signature(),
+        return self.kernel(KERNEL_NAME + self.suffix, self.signature(),
                        self.prologue() + loads + self.final_body(em, single=False),
                        "the elementwise pass, reading the reductions' results")
 
@@ -524,7 +539,7 @@ class _KernelWriter:
                 if self.g.depth(n) == level:
                     em.names[n.index] = f"r{self.reduction_slot[n.index]}"
         body += self.final_body(em, single=True)
-        return _kernel(f"{KERNEL_NAME}_single", self.signature(), body,
+        return self.kernel(f"{KERNEL_NAME}_single", self.signature(), body,
                        "all passes in one program (the gradient fits one block)")
 
 
@@ -616,18 +631,40 @@ def generate(plan: Plan, device_type: str) -> str:
         "# body:",
         *("#   " + line for line in str(plan.graph).splitlines()),
     ]
-    kernels = []
+    kernels, signatures = [], {}
     for multi in (False, True):
         w = _KernelWriter(plan, device_type, multi)
         if plan.levels == 0:
             kernels += w.simple_kernel()
-            continue
-        if not multi:
-            kernels += w.single_kernel()
-        for level in range(1, plan.levels + 1):
-            kernels += w.reduce_kernel(level)
-        kernels += w.final_kernel()
-    return "\n".join(header + kernels) + "\n"
+        else:
+            if not multi:
+                kernels += w.single_kernel()
+            for level in range(1, plan.levels + 1):
+                kernels += w.reduce_kernel(level)
+            kernels += w.final_kernel()
+        signatures.update(w.signatures)
+    spec = ["", "", "#: Each kernel's arguments and their Triton types (ahead-of-time builds: fusedhooks.build)",
+            f"SIGNATURES = {signatures!r}"]
+    return "\n".join(header + kernels + spec) + "\n"
+
+
+#: Triton signature types of the argument comments' "*<type>" (torch dtypes and the workspace types)
+_SIG_TYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32", "fp64": "*fp64", "int32": "*i32", "int64": "*i64"}
+_SIG_TYPES.update({str(dtype): "*" + name for dtype, name in (
+    (torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32"), (torch.float64, "fp64"),
+    (torch.bool, "i1"), (torch.int8, "i8"), (torch.uint8, "u8"), (torch.int16, "i16"), (torch.int32, "i32"),
+    (torch.int64, "i64"))})
+
+
+def _sig_type(arg: str) -> str:
+    """The Triton signature type of one argument line `name,  # *type ...: doc` ("i32" for plain ints)."""
+    name, _, comment = arg.partition("#")
+    if "tl.constexpr" in name:
+        return "constexpr"
+    comment = comment.strip()
+    if not comment.startswith("*"):
+        return "i32"
+    return _SIG_TYPES[comment[1:].split()[0].rstrip(":")]
 
 
 def _hist_pad(bins: int) -> int:
@@ -636,6 +673,9 @@ def _hist_pad(bins: int) -> int:
 
 
 _STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}  # finalize_stats returns them in this order
+
+
+_ELEMENT_SIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
 
 
 def _storage_type(dtype: torch.dtype) -> str:

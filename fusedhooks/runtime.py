@@ -113,6 +113,12 @@ class Workspace:
 _interpreter_lock = threading.Lock()
 
 
+def aligned(*tensors: torch.Tensor | None) -> bool:
+    """The kernels' ALIGNED hint: every tensor's address 16-byte aligned and its size a multiple of 16 bytes
+    (then the mask is uniform over each 16 bytes and loads and stores are 128-bit vectors)."""
+    return all(t is None or (t.data_ptr() % 16 == 0 and t.numel() * t.element_size() % 16 == 0) for t in tensors)
+
+
 def launch(kernel, grid: tuple, *args, **meta) -> None:
     """Every kernel launch of fusedhooks goes through here (tests count launches by wrapping it)."""
     if interpreting():
@@ -176,8 +182,9 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
     block, grid = launch_config(numel, grad.device.type, module, grad.device)
     args = kernel_args(plan, work, pspan, scalars, stats_row, workspace, grid, amp)
     options = launch_options(module, grad.device, numel, block)
+    hint = aligned(work, pspan)
     for kernel in kernels_for(plan, module, grid):
-        launch(kernel, (grid,), *args, numel, BLOCK=block, RBLOCK=RBLOCK, **options)
+        launch(kernel, (grid,), *args, numel, ALIGNED=hint, BLOCK=block, RBLOCK=RBLOCK, **options)
     if plan.writes:
         if work is not span and work.data_ptr() != grad.data_ptr():
             grad.copy_(work.view(grad.shape))
@@ -270,7 +277,9 @@ def fire_bucket(plan: Plan, module, items: list[tuple[torch.Tensor, torch.Tensor
         args.append(workspace.hist_for(n * 2 * (1 << plan.hist_bins.bit_length())))
     options = launch_options(module, device, sum(g.numel() for g in grads), block)
     names = [f"reduce_level{level}_multi" for level in range(1, plan.levels + 1)] + ["fused_hook_multi"]
+    hint = aligned(*grads, *(params or ()))
     for name in names:
-        launch(getattr(module, name), (table.n_programs,), *args, BLOCK=block, RBLOCK=RBLOCK, **options)
+        launch(getattr(module, name), (table.n_programs,), *args, ALIGNED=hint, BLOCK=block, RBLOCK=RBLOCK,
+               **options)
     if plan.writes:
         increment_version([g for g, _, _ in items])

@@ -128,7 +128,9 @@ def _run_config(plan, module, grad, param, scalars, stats, workspace, config: di
     args = runtime.kernel_args(plan, grad, param, scalars, stats, workspace, grid, _amp_for_tuning(plan, grad.device))
     options = {"enable_fp_fusion": False, "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     for kernel in runtime.kernels_for(plan, module, grid):
-        runtime.launch(kernel, (grid,), *args, numel, BLOCK=block, RBLOCK=runtime.RBLOCK, **options)
+        runtime.launch(kernel, (grid,), *args, numel, ALIGNED=runtime.aligned(grad, param if plan.graph.uses_param
+                                                                             else None),
+                       BLOCK=block, RBLOCK=runtime.RBLOCK, **options)
 
 
 def _amp_for_tuning(plan, device):

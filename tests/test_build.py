@@ -1,0 +1,107 @@
+"""Ahead-of-time builds for GPU targets, without a GPU (`python -m fusedhooks build`, fusedhooks/build.py).
+
+Every kernel family compiles for cuda:80, cuda:90 and hip:gfx942; on cuda:90 (fp32, bf16, fp16) the gates hold:
+no spills, at most 128 registers per thread at the runtime's warps, and 128-bit loads and stores of an aligned,
+divisible gradient. The build runs once, in a subprocess without TRITON_INTERPRET (with it, triton.jit makes
+interpreter functions, which compile for no target).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusedhooks import build, codegen
+from fusedhooks.plan import make_plan
+
+TARGETS = ("cuda:80", "cuda:90", "hip:gfx942")
+GATED_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("build") / "reports.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "fusedhooks", "build", "--target", "all", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _of(reports, target, dtypes=None):
+    return [r for r in reports if r["target"] == target and (dtypes is None or r["dtype"] in dtypes)]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_kernel_family_builds(reports, target):
+    built = _of(reports, target)
+    assert [r for r in built if r["error"]] == []
+    kernels = {r["kernel"] for r in built}
+    assert {"fused_hook", "fused_hook_multi", "fused_hook_single", "reduce_level1", "reduce_level1_multi",
+            "scale_kernel"} <= kernels
+    families = {r["family"] for r in built}
+    assert {"clip+scale+stats+hist", "clip+scale+stats+hist+amp", "clip+scale+stats+hist+shard", "stats-only",
+            "normalise-by-norm", "standardise", "weight-decay(param)", "global-clip-scale"} <= families
+    assert {r["dtype"] for r in built} == {"fp32", "bf16", "fp16", "fp64"}
+    assert len(built) == len(_of(reports, "cuda:90")), "every target builds the same kernels"
+    assert all(r["registers"] for r in built), "the report names every kernel's registers"
+
+
+def test_cuda90_no_spills(reports):
+    spilling = [(r["family"], r["dtype"], r["kernel"], r["spills"]) for r in _of(reports, "cuda:90") if r["spills"]]
+    assert spilling == []
+
+
+def test_cuda90_registers_at_most_128(reports):
+    heavy = [(r["family"], r["dtype"], r["kernel"], r["registers"])
+             for r in _of(reports, "cuda:90", GATED_DTYPES) if r["registers"] > 128]
+    assert heavy == []
+
+
+def test_cuda90_gradient_accesses_are_128_bit_vectors(reports):
+    """For an aligned gradient whose size is a multiple of 16 bytes: the widest global load of every kernel, and
+    the widest store of every kernel that writes the gradient, is 128 bits; for fp16/bf16 (where only the gradient
+    is 16 bits wide) no scalar gradient access is left in the generated kernels."""
+    bad = []
+    for r in _of(reports, "cuda:90", GATED_DTYPES):
+        writes_gradient = not (r["kernel"].startswith("reduce_level") or r["family"].startswith("stats-only"))
+        if r["load_bits"][1] != 128 or (writes_gradient and r["store_bits"][1] != 128):
+            bad.append((r["family"], r["dtype"], r["kernel"], r["load_bits"], r["store_bits"]))
+        generated = r["kernel"] != "scale_kernel"  # the scale kernel's masked tail is scalar by design
+        if generated and r["dtype"] in ("fp16", "bf16") and r["scalar_element_accesses"]:
+            bad.append((r["family"], r["dtype"], r["kernel"], "scalar", r["scalar_element_accesses"]))
+    assert bad == []
+
+
+def test_build_refuses_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = argparse.Namespace(target="cuda:90", dtypes="fp32", num_warps=None, json=None)
+    with pytest.raises(SystemExit, match="unset TRITON_INTERPRET"):
+        build.main(args)
+
+
+@pytest.mark.parametrize("family", list(build.families()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_generated_signatures_match_the_kernels(family, dtype):
+    """SIGNATURES (what ahead-of-time builds compile with) lists every kernel's arguments, in order."""
+    hook = build.families()[family]
+    plan = make_plan(hook._graph(dtype), hook.stat_names, hook.input_stat_names, hist_range=hook.hist_range)
+    module = codegen.load(codegen.generate(plan, "cpu"))
+    assert module.SIGNATURES
+    for name, signature in module.SIGNATURES.items():
+        assert list(signature) == list(getattr(module, name).arg_names), name
+        assert all(t == "constexpr" or t == "i32" or t.startswith("*") for t in signature.values())
+
+
+def test_aligned_hint_follows_alignment_and_size():
+    from fusedhooks.runtime import aligned
+
+    x = torch.zeros(64)
+    assert aligned(x) and aligned(x, None)
+    assert not aligned(x[1:])           # 4 bytes past an aligned address
+    assert not aligned(x[:63])          # 252 bytes: not a multiple of 16
+    assert aligned(torch.zeros(8, dtype=torch.bfloat16)) and not aligned(torch.zeros(7, dtype=torch.bfloat16))
