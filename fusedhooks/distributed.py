@@ -1,8 +1,9 @@
 """Distributed training: DDP and FSDP2.
 
-- DDP (`hook.register(ddp_model)`): the hook runs inside DDP's communication hook, on the averaged flat bucket
-  (all-reduce, then one multi-tensor launch per pass over the bucket's per-parameter views), before DDP copies
-  the bucket into `.grad`. Every rank sees the same averaged gradients and records the same statistics.
+- DDP (`hook.register(ddp_model)`): DDP's communication hook is ours: it all-reduces each bucket (the average, as
+  DDP does) and, when backward ends, the averaged flat bucket is processed (one multi-tensor launch per pass over
+  the bucket's per-parameter views) before DDP's own finalisation copies it into `.grad`. Every rank sees the
+  same averaged gradients and records the same statistics.
 - FSDP2 (`fully_shard`): FSDP calls post-accumulate hooks on the sharded DTensor parameters after its
   reduce-scatter. The body runs on this rank's shard in place; the statistics recorded on the shard are
   partials (`partial_stats`) that one collective per backward (`ShardStats`) merges into the statistics of the
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -43,19 +45,11 @@ def world_size() -> int | None:
     return dist.get_world_size()
 
 
-_DTensor = None
-
-
 def is_dtensor(t) -> bool:
-    """Is `t` a DTensor (an FSDP2-sharded parameter or its gradient)? Imports nothing distributed otherwise."""
-    global _DTensor
-    if _DTensor is None:
-        if _dist() is None:
-            return False
-        from torch.distributed.tensor import DTensor
-
-        _DTensor = DTensor
-    return isinstance(t, _DTensor)
+    """Is `t` a DTensor (an FSDP2-sharded parameter or its gradient)? Imports nothing: no DTensor exists before
+    torch.distributed.tensor is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def is_ddp(target) -> bool:
