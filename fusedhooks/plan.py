@@ -20,6 +20,15 @@ PARTIAL_FLAGS = ("SUM", "M2", "SUMSQ", "MINMAX", "COUNTS")
 DEFAULT_HIST_RANGE = (-40, 8)
 
 
+def slot_names(stats: tuple[str, ...], input_stats: tuple[str, ...], hist_range: tuple[int, int]) -> tuple[str, ...]:
+    """The statistics row layout, one name per float64 slot: the statistics after the body, then "input.<name>"
+    ones, each in the order given (STAT_NAMES order, "hist" last); "hist" takes hi - lo slots. The one layout
+    of the kernels (Plan.slots), the statistics buffer (HookStats) and the merge of FSDP2 shards."""
+    bins = hist_range[1] - hist_range[0]
+    return tuple(prefix + name for prefix, names in (("", stats), ("input.", input_stats))
+                 for name in names for _ in range(bins if name == "hist" else 1))
+
+
 def partial_flags(names: tuple[str, ...]) -> dict[str, bool]:
     """Flags for kernels.stats.store_partials / finalize_stats that cover `names`."""
     needed = {flag for name in names for flag in _NEEDS[name]}
@@ -60,12 +69,9 @@ class Plan:
 
     @functools.cached_property
     def slots(self) -> list[tuple[str, str]]:
-        """The stats row layout: ("output" | "input", name) per slot; "hist" takes hist_bins slots."""
-        out = []
-        for kind, names in self.stat_sets:
-            for name in names:
-                out += [(kind, name)] * (self.hist_bins if name == "hist" else 1)
-        return out
+        """The stats row layout (`slot_names`) as ("output" | "input", name) per slot."""
+        return [("input", n.removeprefix("input.")) if n.startswith("input.") else ("output", n)
+                for n in slot_names(self.stats, self.input_stats, self.hist_range or DEFAULT_HIST_RANGE)]
 
     @functools.cached_property
     def stat_sets(self) -> list[tuple[str, tuple[str, ...]]]:

@@ -7,6 +7,7 @@ import math
 import torch
 
 from .ir import COUNT_STATS
+from .plan import slot_names
 
 
 class ParamStats(dict):
@@ -37,12 +38,7 @@ class HookStats:
 
     def __init__(self, stats: tuple[str, ...], input_stats: tuple[str, ...], hist_range: tuple[int, int]):
         self.hist_range = hist_range
-        bins = hist_range[1] - hist_range[0]
-        slots = []
-        for prefix, names in (("", stats), ("input.", input_stats)):
-            for name in names:
-                slots += [prefix + name] * (bins if name == "hist" else 1)
-        self.slot_names = tuple(slots)
+        self.slot_names = slot_names(stats, input_stats, hist_range)
         self.names: list[str] = []
         self._written: list[int] = []  # per row: the number of the backward that wrote it, 0 for never
         self._backward = 0  # the number of the most recent backward in which the hook fired
