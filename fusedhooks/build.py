@@ -109,21 +109,19 @@ def kernels(dtypes=("fp32", "bf16", "fp16", "fp64")):
         yield "global-clip-scale", dname, "scale_kernel", multi_tensor.scale_kernel, signature, constexprs
 
 
-def _num_warps(constexprs: dict) -> int:
-    return 8 if constexprs.get("BLOCK", 0) >= 2048 else 4
-
-
 def build(target: str, dtypes=("fp32", "bf16", "fp16", "fp64"), num_warps: int | None = None) -> list[KernelReport]:
     """Compile every kernel for `target` (a TARGETS key) and report on each."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from .runtime import default_num_warps
+
     backend, arch, warp = TARGETS[target]
     gpu = GPUTarget(backend, arch, warp)
     reports = []
     for family, dname, name, fn, signature, constexprs in kernels(dtypes):
-        warps = num_warps or _num_warps(constexprs)
+        warps = num_warps or default_num_warps(constexprs["BLOCK"])
         report = KernelReport(family, dname, name, target, warps)
         # pointers 16-byte aligned, as Triton specialises an aligned tensor at launch
         attrs = {(i,): [["tt.divisibility", 16]] for i, (arg, t) in enumerate(signature.items()) if t.startswith("*")}

@@ -22,6 +22,7 @@ import torch
 
 from . import runtime
 from .ir import STAT_NAMES
+from .layout import flat_span
 from .stats import HookStats
 
 if TYPE_CHECKING:
@@ -122,17 +123,11 @@ def _bucket_views(buffer: torch.Tensor, params: list[torch.Tensor], offsets: lis
     it is dense, else contiguous)."""
     views = []
     for p, offset in zip(params, offsets):
-        if p.is_contiguous() or _dense(p):
+        if flat_span(p) is not None:
             views.append(buffer.as_strided(p.shape, p.stride(), buffer.storage_offset() + offset))
         else:
             views.append(buffer.narrow(0, offset, p.numel()).view(p.shape))
     return views
-
-
-def _dense(t: torch.Tensor) -> bool:
-    from .layout import flat_span
-
-    return flat_span(t) is not None
 
 
 def _comm_hook(state, bucket):  # no annotations: DDP checks them, and `from __future__ import annotations` strings them
@@ -196,7 +191,6 @@ class _PendingBuckets:
         hook = self.state.hook()
         if hook is None:
             return
-        hook.stats.begin_firing(self.backward_key)
         entries = []
         for fut, items in self.buckets:  # waiting here: the all-reduce is done (CUDA: the stream waits for it)
             _process_bucket(hook, fut, items, self.backward_key)

@@ -63,11 +63,16 @@ def launch_config(numel: int, device_type: str, module=None, device: torch.devic
     return block, -(-numel // block)
 
 
+def default_num_warps(block: int) -> int:
+    """Warps of a CUDA launch of `block` elements per program, unless tuned."""
+    return 8 if block >= 2048 else 4
+
+
 def launch_options(module, device: torch.device, numel: int, block: int) -> dict:
     """Compile options of a launch: tuned num_warps/num_stages for this size, else a heuristic."""
     options = {"enable_fp_fusion": False}
     if device.type == "cuda":
-        options["num_warps"] = 8 if block >= 2048 else 4
+        options["num_warps"] = default_num_warps(block)
     entry = tuning.lookup(module, device)
     if entry:
         options.update(entry["sizes"].get(tuning.size_key(numel), {}))
