@@ -268,7 +268,7 @@ class GradHook:
             stats, input_stats = distributed.partial_stats(stats), distributed.partial_stats(input_stats)
         plan = make_plan(self._graph(dtype), stats, input_stats, backend=backend, amp=self._amp and not shard,
                          hist_range=self.hist_range)
-        kernel = codegen.load(codegen.generate(plan, device.type)) if backend == "triton" else None
+        kernel = codegen.load(*codegen.generate_with_spec(plan, device.type)) if backend == "triton" else None
         compiled = self._compiled[(dtype, device, shard)] = Compiled(plan, kernel)
         return compiled
 

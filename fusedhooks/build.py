@@ -90,7 +90,7 @@ def kernels(dtypes=("fp32", "bf16", "fp16", "fp64")):
         for dname in dtypes:
             dtype = DTYPES[dname]
             for variant, plan in _plans(hook, dtype):
-                module = codegen.load(codegen.generate(plan, "cuda"))
+                module = codegen.load(*codegen.generate_with_spec(plan, "cuda"))
                 for name, signature in module.SIGNATURES.items():
                     yield (family + variant, dname, name, getattr(module, name), signature,
                            {"ALIGNED": True, "BLOCK": runtime.DEFAULT_BLOCK, "RBLOCK": runtime.RBLOCK})

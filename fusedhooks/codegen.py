@@ -22,6 +22,55 @@ from .ir import COMPARISONS, STAT_NAMES, Graph, Node, computes_in_operand_dtype,
 from .plan import PARTIAL_FLAGS, Plan, partial_flags
 
 KERNEL_NAME = "fused_hook"
+#: fp64 values in a row of partial statistics (kernels.stats.N_PARTIALS)
+PARTIAL_WIDTH = 8
+#: The bucket table's per-tensor parts, in order, each n_tensors int64s; then (tensor, block) per program.
+TABLE_PARTS = ("grad", "param", "numel", "blocks", "stats_offset", "partials_offset")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to launch the kernels generated for a plan; `generate_with_spec` returns it with their source, and
+    the runtime, tune and clip only read it.
+
+    args / multi_args: the role of each argument of the single-tensor / bucket (`..._multi`) kernels, in order:
+    "grad", "param" (pointers to the spans), "scalar<i>" (closed-over 0-dim tensors), "scale", "found_inf"
+    (AMP), "reduced" (fp64 [n_reductions] per tensor), "stats" (the row, or the whole buffer for a bucket),
+    "partials" (fp64 [programs, partial_sets, PARTIAL_WIDTH]), "counter" (int32, one per tensor), "hist"
+    (int32 [hist_sets, hist_pad] per tensor), "numel", "table" (int64, TABLE_PARTS then programs),
+    "n_tensors", then the constexprs "ALIGNED", "BLOCK", "RBLOCK".
+    kernels / single_kernels / multi_kernels: the kernels launched, in order, on a grid of several programs,
+    on a grid of one program, and for a bucket.
+    """
+
+    args: tuple[str, ...]
+    multi_args: tuple[str, ...]
+    kernels: tuple[str, ...]
+    single_kernels: tuple[str, ...]
+    multi_kernels: tuple[str, ...]
+    n_slots: int
+    n_reductions: int
+    partial_sets: int
+    hist_sets: int
+    hist_pad: int
+    table_parts: tuple[str, ...] = TABLE_PARTS
+
+    def kernels_for(self, grid: int) -> tuple[str, ...]:
+        """The kernels to launch, in order, for one gradient on a grid of `grid` programs."""
+        return self.single_kernels if grid == 1 else self.kernels
+
+    @property
+    def uses_workspace(self) -> bool:
+        return "partials" in self.args
+
+    def partial_values(self, programs: int) -> int:
+        """fp64 values of partials `programs` programs write."""
+        return programs * self.partial_sets * PARTIAL_WIDTH
+
+    @property
+    def hist_values(self) -> int:
+        """int32 histogram accumulators per tensor."""
+        return self.hist_sets * self.hist_pad
 
 _COMPUTE = {
     torch.float16: "tl.float32", torch.bfloat16: "tl.float32", torch.float32: "tl.float32",
@@ -306,38 +355,52 @@ class _KernelWriter:
         return _kernel(name, args, body, doc)
 
     def signature(self) -> list[str]:
+        """The kernels' argument lines, in order (their roles: `roles`)."""
+        return [line for _, line in self.arguments()]
+
+    def roles(self) -> tuple[str, ...]:
+        """What each argument is, in order (see LaunchSpec)."""
+        return tuple(role for role, _ in self.arguments())
+
+    def arguments(self) -> list[tuple[str, str]]:
+        """(role, source line) of each argument, constexprs last."""
         p, g = self.plan, self.g
         if self.multi:
-            args = ["table_ptr,  # *int64: the bucket's table (see runtime.BucketTable): addresses, sizes, rows, "
-                    "offsets, then (tensor, block) per program",
-                    "n_tensors,  # gradients in the bucket"]
+            parts = ", ".join(TABLE_PARTS)
+            args = [("table", f"table_ptr,  # *int64: the bucket's table (runtime.BucketTable): {parts}, each "
+                              "n_tensors long, then (tensor, block) per program"),
+                    ("n_tensors", "n_tensors,  # gradients in the bucket")]
         else:
-            args = [f"grad_ptr,  # *{g.grad_dtype}: the gradient's storage span, updated in place"]
+            args = [("grad", f"grad_ptr,  # *{g.grad_dtype}: the gradient's storage span, updated in place")]
             if g.uses_param:
-                args.append(f"param_ptr,  # *{g.grad_dtype}: the parameter, same layout as grad")
-        args += [f"scalar{i}_ptr,  # *{dt}: closed-over tensor {i}, read at every run"
+                args.append(("param", f"param_ptr,  # *{g.grad_dtype}: the parameter, same layout as grad"))
+        args += [(f"scalar{i}", f"scalar{i}_ptr,  # *{dt}: closed-over tensor {i}, read at every run")
                  for i, dt in enumerate(g.scalar_dtypes)]
         if p.amp:
-            args += ["scale_ptr,  # *fp32 [1]: GradScaler's scale; the body sees grad / scale",
-                     "found_inf_ptr,  # *fp32 [1]: set to 1.0 when the scaled gradient has a NaN/Inf"]
+            args += [("scale", "scale_ptr,  # *fp32 [1]: GradScaler's scale; the body sees grad / scale"),
+                     ("found_inf", "found_inf_ptr,  # *fp32 [1]: set to 1.0 when the scaled gradient has a NaN/Inf")]
         per = "per gradient of the bucket: " if self.multi else ""
         if self.reductions:
-            args.append(f"reduced_ptr,  # *fp64 [{len(self.reductions)}]: {per}results of the body's reductions")
+            args.append(("reduced", f"reduced_ptr,  # *fp64 [{len(self.reductions)}]: {per}results of the body's "
+                                    "reductions"))
         if p.slots:
             rows = "the statistics buffer (rows from the table)" if self.multi else "this parameter's statistics row"
-            args.append(f"stats_ptr,  # *fp64 [{len(p.slots)}]: {rows}")
+            args.append(("stats", f"stats_ptr,  # *fp64 [{len(p.slots)}]: {rows}"))
         if self.reductions or p.slots:
-            args += [f"partials_ptr,  # *fp64 [blocks, sets, 8]: {per}per-program partial statistics",
-                     f"counter_ptr,  # *int32 [1]: {per}programs finished; the last one merges and resets it to 0"]
+            args += [("partials", f"partials_ptr,  # *fp64 [blocks, sets, {PARTIAL_WIDTH}]: {per}per-program "
+                                  "partial statistics"),
+                     ("counter", f"counter_ptr,  # *int32 [1]: {per}programs finished; the last one merges and "
+                                 "resets it to 0")]
         if self.hist_sets:
-            args.append(f"hist_ptr,  # *int32 [{len(self.hist_sets)}, HIST_PAD]: {per}histogram accumulators, "
-                        "zeroed by the last program")
+            args.append(("hist", f"hist_ptr,  # *int32 [{len(self.hist_sets)}, HIST_PAD]: {per}histogram "
+                                 "accumulators, zeroed by the last program"))
         if not self.multi:
-            args.append("numel,  # elements in the span")
-        args += ["ALIGNED: tl.constexpr,  # gradient (and parameter) addresses 16-byte aligned and every numel a "
-                 "multiple of 16 bytes: a vectorisation hint, true whenever set (runtime.aligned)",
-                 "BLOCK: tl.constexpr,  # elements per program",
-                 "RBLOCK: tl.constexpr,  # partial rows merged at a time"]
+            args.append(("numel", "numel,  # elements in the span"))
+        args += [("ALIGNED", "ALIGNED: tl.constexpr,  # gradient (and parameter) addresses 16-byte aligned and "
+                             "every numel a multiple of 16 bytes: a vectorisation hint, true whenever set "
+                             "(runtime.aligned)"),
+                 ("BLOCK", "BLOCK: tl.constexpr,  # elements per program"),
+                 ("RBLOCK", "RBLOCK: tl.constexpr,  # partial rows merged at a time")]
         return args
 
     # --- pieces --------------------------------------------------------------------------------
@@ -347,17 +410,18 @@ class _KernelWriter:
         if self.multi:
             storage = f"tl.pointer_type({_storage_type(g.grad_dtype)})"
             lines = ["prog = tl.program_id(0).to(tl.int64)",
-                     "t = tl.load(table_ptr + 6 * n_tensors + 2 * prog)  # which gradient of the bucket",
-                     "pid = tl.load(table_ptr + 6 * n_tensors + 2 * prog + 1)  # which block of it",
-                     f"grad_ptr = tl.load(table_ptr + t).to({storage})",
-                     "numel = tl.load(table_ptr + 2 * n_tensors + t)",
-                     "num_blocks = tl.load(table_ptr + 3 * n_tensors + t)"]
+                     f"t = tl.load(table_ptr + {len(TABLE_PARTS)} * n_tensors + 2 * prog)  # which gradient of the "
+                     "bucket",
+                     f"pid = tl.load(table_ptr + {len(TABLE_PARTS)} * n_tensors + 2 * prog + 1)  # which block of it",
+                     f"grad_ptr = tl.load({_table_part('grad')}).to({storage})",
+                     f"numel = tl.load({_table_part('numel')})",
+                     f"num_blocks = tl.load({_table_part('blocks')})"]
             if g.uses_param:
-                lines.append(f"param_ptr = tl.load(table_ptr + n_tensors + t).to({storage})")
+                lines.append(f"param_ptr = tl.load({_table_part('param')}).to({storage})")
             if self.plan.slots:
-                lines.append("stats_ptr += tl.load(table_ptr + 4 * n_tensors + t)")
+                lines.append(f"stats_ptr += tl.load({_table_part('stats_offset')})")
             if self.reductions or self.plan.slots:
-                lines += ["partials_ptr += tl.load(table_ptr + 5 * n_tensors + t)", "counter_ptr += t"]
+                lines += [f"partials_ptr += tl.load({_table_part('partials_offset')})", "counter_ptr += t"]
             if self.reductions:
                 lines.append(f"reduced_ptr += t * {len(self.reductions)}")
             if self.hist_sets:
@@ -440,8 +504,8 @@ class _KernelWriter:
         lines = []
         for k, rs in enumerate(sets):
             flags = ", ".join(f"{f}={rs.flags.get(f, False)}" for f in PARTIAL_FLAGS)
-            lines.append(f"store_partials({rs.x}, mask, n_valid, partials_ptr + (pid * {len(sets)} + {k}) * 8, "
-                         f"{flags})")
+            row = f"partials_ptr + (pid * {len(sets)} + {k}) * {PARTIAL_WIDTH}"
+            lines.append(f"store_partials({rs.x}, mask, n_valid, {row}, {flags})")
         return lines
 
     def hist_lines(self, out_value: str) -> tuple[list[str], list[str]]:
@@ -611,7 +675,14 @@ def _kernel(name: str, args: list[str], body: list[str], doc: str) -> list[str]:
 
 
 def generate(plan: Plan, device_type: str) -> str:
-    """Triton source of the kernels for `plan` (device_type: "cuda", or "cpu" for the interpreter).
+    """Triton source of the kernels for `plan` (device_type: "cuda", or "cpu" for the interpreter); see
+    `generate_with_spec`."""
+    return generate_with_spec(plan, device_type)[0]
+
+
+def generate_with_spec(plan: Plan, device_type: str) -> tuple[str, LaunchSpec]:
+    """Triton source of the kernels for `plan` (device_type: "cuda", or "cpu" for the interpreter) and how to
+    launch them.
 
     Without reductions in the body: one kernel, `fused_hook`. With them: `fused_hook_single` (all
     passes in one program, for gradients that fit one block), `reduce_level1..L` and `fused_hook`.
@@ -631,7 +702,7 @@ def generate(plan: Plan, device_type: str) -> str:
         "# body:",
         *("#   " + line for line in str(plan.graph).splitlines()),
     ]
-    kernels, signatures = [], {}
+    kernels, signatures, roles = [], {}, []
     for multi in (False, True):
         w = _KernelWriter(plan, device_type, multi)
         if plan.levels == 0:
@@ -643,9 +714,21 @@ def generate(plan: Plan, device_type: str) -> str:
                 kernels += w.reduce_kernel(level)
             kernels += w.final_kernel()
         signatures.update(w.signatures)
-    spec = ["", "", "#: Each kernel's arguments and their Triton types (ahead-of-time builds: fusedhooks.build)",
-            f"SIGNATURES = {signatures!r}"]
-    return "\n".join(header + kernels + spec) + "\n"
+        roles.append(w.roles())
+    footer = ["", "", "#: Each kernel's arguments and their Triton types (ahead-of-time builds: fusedhooks.build)",
+              f"SIGNATURES = {signatures!r}"]
+    n_reductions = len(plan.graph.reductions())
+    levels = tuple(f"reduce_level{level}" for level in range(1, plan.levels + 1))
+    spec = LaunchSpec(
+        args=roles[0], multi_args=roles[1],
+        kernels=levels + (KERNEL_NAME,),
+        single_kernels=(KERNEL_NAME,) if plan.levels == 0 else (f"{KERNEL_NAME}_single",),
+        multi_kernels=tuple(f"{name}_multi" for name in levels + (KERNEL_NAME,)),
+        n_slots=len(plan.slots), n_reductions=n_reductions,
+        # rows of partials a program writes: one per statistics set, or per reduction set of a level
+        partial_sets=max(len(plan.stat_sets), n_reductions),
+        hist_sets=sum("hist" in names for _, names in plan.stat_sets), hist_pad=_hist_pad(plan.hist_bins))
+    return "\n".join(header + kernels + footer) + "\n", spec
 
 
 #: Triton signature types of the argument comments' "*<type>" (torch dtypes and the workspace types)
@@ -665,6 +748,12 @@ def _sig_type(arg: str) -> str:
     if not comment.startswith("*"):
         return "i32"
     return _SIG_TYPES[comment[1:].split()[0].rstrip(":")]
+
+
+def _table_part(part: str) -> str:
+    """The address of tensor t's entry in part `part` of the bucket table (TABLE_PARTS)."""
+    k = TABLE_PARTS.index(part)
+    return f"table_ptr + {k} * n_tensors + t" if k else "table_ptr + t"
 
 
 def _hist_pad(bins: int) -> int:
@@ -696,12 +785,15 @@ def cache_dir() -> Path:
 _loaded: dict[str, object] = {}
 
 
-def load(source: str):
+def load(source: str, spec: LaunchSpec | None = None):
     """The module of @triton.jit kernels defined by `source`, written once to the cache directory by
-    content hash."""
+    content hash; spec (from `generate_with_spec`) becomes its SPEC."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:24]
     if digest in _loaded:
-        return _loaded[digest]
+        module = _loaded[digest]
+        if spec is not None:
+            module.SPEC = spec
+        return module
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"fh_{digest}.py"
@@ -711,10 +803,11 @@ def load(source: str):
             f.write(source)
         os.replace(tmp, path)
     module_name = f"fusedhooks_generated_{digest}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    module_spec.loader.exec_module(module)
     module.DIGEST = digest  # names the kernels in the tuning cache
+    module.SPEC = spec
     _loaded[digest] = module
     return module

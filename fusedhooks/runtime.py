@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import increment_version
 
-from . import reference, tuning
+from . import fastlaunch, reference, tuning
 from .layout import flat_span
 from .plan import Plan
 
@@ -80,8 +80,9 @@ def launch_options(module, device: torch.device, numel: int, block: int) -> dict
 
 
 class Workspace:
-    """Per-device scratch of a hook, reused by every firing (stream-ordered, so no clashes):
-    partial statistics, the programs-finished counter, body reduction results, histogram accumulators."""
+    """Per-device scratch of a hook, reused by every firing (stream-ordered, so no clashes): partial
+    statistics, the programs-finished counters, body reduction results, histogram accumulators, and the
+    launches bound so far (`bound`: single gradients; `tables`: buckets)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -91,15 +92,16 @@ class Workspace:
         self.hist = torch.zeros(0, dtype=torch.int32, device=device)
         self.counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.tables: dict[tuple, BucketTable] = {}
+        self.bound: dict[tuple, Bound] = {}
 
     def counters_for(self, n: int) -> torch.Tensor:
         if self.counters.numel() < n:
             self.counters = torch.zeros(n, dtype=torch.int32, device=self.device)  # the kernels leave them 0
         return self.counters
 
-    def partials_for(self, rows: int) -> torch.Tensor:
-        if self.partials.numel() < rows * 8:
-            self.partials = torch.empty(rows * 8, dtype=torch.float64, device=self.device)
+    def partials_for(self, values: int) -> torch.Tensor:
+        if self.partials.numel() < values:
+            self.partials = torch.empty(values, dtype=torch.float64, device=self.device)
         return self.partials
 
     def reduced_for(self, n: int) -> torch.Tensor:
@@ -124,43 +126,93 @@ def aligned(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.data_ptr() % 16 == 0 and t.numel() * t.element_size() % 16 == 0) for t in tensors)
 
 
-def launch(kernel, grid: tuple, *args, **meta) -> None:
-    """Every kernel launch of fusedhooks goes through here (tests count launches by wrapping it)."""
+def launch(kernel, grid: tuple, *args, fast: dict | None = None, **meta) -> None:
+    """Every kernel launch of fusedhooks goes through here (tests count launches by wrapping it).
+
+    fast: a dict the caller keeps for this kernel, grid and meta (a Bound's): on a GPU the first launch leaves
+    the compiled kernel in it and later ones launch that directly (see `fastlaunch`)."""
     if interpreting():
         with _interpreter_lock:
             kernel[grid](*args, **meta)
+    elif fast is not None:
+        fastlaunch.launch(kernel, grid, args, meta, fast)
     else:
         kernel[grid](*args, **meta)
 
 
-def kernels_for(plan: Plan, module, grid: int) -> list:
-    """The kernels of `module` (generated for `plan`) to launch, in order, on a grid of `grid` programs."""
-    if plan.levels == 0:
-        return [module.fused_hook]
-    if grid == 1:
-        return [module.fused_hook_single]
-    return [getattr(module, f"reduce_level{level}") for level in range(1, plan.levels + 1)] + [module.fused_hook]
+_PER_FIRING = ("grad", "param", "stats", "scale", "found_inf")
 
 
-def kernel_args(plan: Plan, work: torch.Tensor, pspan: torch.Tensor | None, scalars: list[torch.Tensor],
-                stats_row: torch.Tensor | None, workspace: Workspace, grid: int, amp: tuple | None) -> list:
-    """Arguments of the single-gradient kernels of `plan`, before numel and the constexprs."""
-    args = [work]
-    if plan.graph.uses_param:
-        args.append(pspan)
-    args.extend(scalars)
-    if plan.amp:
-        args.extend(amp)
-    n_reductions = len(plan.graph.reductions())
-    if n_reductions:
-        args.append(workspace.reduced_for(n_reductions))
-    if plan.slots:
-        args.append(stats_row)
-    if n_reductions or plan.slots:
-        args += [workspace.partials_for(grid * max(2, n_reductions)), workspace.counter]
-    if plan.hist_range:
-        args.append(workspace.hist_for(2 * (1 << plan.hist_bins.bit_length())))
-    return args
+@dataclass
+class Bound:
+    """The launches of one firing, bound once: the kernels, grid and meta (constexprs, compile options), and
+    the arguments in order with everything that stays the same between firings in place (scalars, workspace
+    buffers, numel, the bucket table); `run_bound` puts in the rest (`slots`: role -> position).
+    fast: one dict per kernel for `launch`."""
+
+    kernels: tuple
+    grid: tuple
+    args: list
+    meta: dict
+    slots: tuple[tuple[str, int], ...]
+    fast: tuple
+
+
+def bind(module, multi: bool, grid: int, workspace: Workspace, scalars: list[torch.Tensor], values: dict,
+         meta: dict) -> Bound:
+    """A Bound for `module`'s single-gradient kernels (multi: its bucket kernels) on `grid` programs, following
+    module.SPEC: workspace buffers sized by it, `values` the arguments fixed by the caller (numel, or table and
+    n_tensors) and "partial_values" (fp64 partials the launch needs)."""
+    spec = module.SPEC
+    roles = spec.multi_args if multi else spec.args
+    n = values.get("n_tensors", 1)
+    buffers = {"reduced": lambda: workspace.reduced_for(n * spec.n_reductions),
+               "partials": lambda: workspace.partials_for(values["partial_values"]),
+               "counter": lambda: workspace.counters_for(n) if multi else workspace.counter,
+               "hist": lambda: workspace.hist_for(n * spec.hist_values)}
+    args, slots = [], []
+    for role in roles:
+        if role in meta:
+            continue  # ALIGNED, BLOCK, RBLOCK
+        if role.startswith("scalar"):
+            args.append(scalars[int(role.removeprefix("scalar"))])
+        elif role in buffers:
+            args.append(buffers[role]())
+        elif role in _PER_FIRING:
+            slots.append((role, len(args)))
+            args.append(None)
+        else:
+            args.append(values[role])
+    names = spec.multi_kernels if multi else spec.kernels_for(grid)
+    return Bound(tuple(getattr(module, name) for name in names), (grid,), args, meta, tuple(slots),
+                 tuple({} for _ in names))
+
+
+def run_bound(bound: Bound, tensors: dict) -> None:
+    """Launch `bound` with this firing's tensors ({role: tensor} for the roles of bound.slots)."""
+    args = bound.args.copy()
+    for role, position in bound.slots:
+        args[position] = tensors[role]
+    for kernel, fast in zip(bound.kernels, bound.fast):
+        launch(kernel, bound.grid, *args, fast=fast, **bound.meta)
+
+
+def kernel_meta(module, device: torch.device, numel: int, block: int, hint: bool) -> dict:
+    """The constexprs and compile options of a launch of `module`'s kernels on `numel` elements."""
+    return {"ALIGNED": hint, "BLOCK": block, "RBLOCK": RBLOCK, **launch_options(module, device, numel, block)}
+
+
+def bind_single(module, numel: int, hint: bool, device: torch.device, workspace: Workspace,
+                scalars: list[torch.Tensor], config: dict | None = None) -> Bound:
+    """The Bound of `module`'s single-gradient kernels for a gradient of `numel` elements; config: a launch
+    configuration ({"block", "num_warps", "num_stages"}) instead of the runtime's (tune tries them)."""
+    block = config["block"] if config else block_size(module, device)
+    grid = -(-numel // block)
+    meta = kernel_meta(module, device, numel, block, hint)
+    if config:
+        meta.update(num_warps=config["num_warps"], num_stages=config["num_stages"])
+    values = {"numel": numel, "partial_values": module.SPEC.partial_values(grid)}
+    return bind(module, False, grid, workspace, scalars, values, meta)
 
 
 def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: list[torch.Tensor],
@@ -172,7 +224,7 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
     (count 0, sum 0, mean NaN, ...) are written by the reference backend.
     """
     numel = grad.numel()
-    if plan.backend == "reference" or numel == 0:
+    if module is None or numel == 0:
         reference.run(plan, grad, param, scalars, stats_row, amp)
         return
     uses_param = plan.graph.uses_param
@@ -184,12 +236,17 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
         pspan = param.contiguous().view(-1) if uses_param else None
     else:
         pspan = (param if param.is_contiguous() else flat_span(param)) if uses_param else None
-    block, grid = launch_config(numel, grad.device.type, module, grad.device)
-    args = kernel_args(plan, work, pspan, scalars, stats_row, workspace, grid, amp)
-    options = launch_options(module, grad.device, numel, block)
     hint = aligned(work, pspan)
-    for kernel in kernels_for(plan, module, grid):
-        launch(kernel, (grid,), *args, numel, ALIGNED=hint, BLOCK=block, RBLOCK=RBLOCK, **options)
+    key = (module, numel, hint)
+    bound = workspace.bound.get(key)
+    if bound is None:
+        if len(workspace.bound) > 256:  # sizes keep changing: keep the cache small
+            workspace.bound.clear()
+        bound = workspace.bound[key] = bind_single(module, numel, hint, grad.device, workspace, scalars)
+    tensors = {"grad": work, "param": pspan, "stats": stats_row}
+    if amp is not None:
+        tensors["scale"], tensors["found_inf"] = amp
+    run_bound(bound, tensors)
     if plan.writes:
         if work is not span and work.data_ptr() != grad.data_ptr():
             grad.copy_(work.view(grad.shape))
@@ -201,42 +258,46 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
 
 @dataclass
 class BucketTable:
-    """The int64 table a `..._multi` kernel reads, for one bucket of gradients (one dtype, one device):
+    """The int64 table a `..._multi` kernel reads, for one bucket of gradients (one dtype, one device): the
+    parts of codegen.TABLE_PARTS (grad addresses, param addresses, numels, blocks per gradient, stats row
+    offsets, partials offsets), each n_tensors long, then (gradient, block) of each program.
 
-        [grad addresses | param addresses | numels | blocks per gradient | stats row offsets |
-         partials offsets | (gradient, block) of each program]      (the first six parts n_tensors long)
-
-    Built once and reused while the gradients stay at the same addresses (`key`).
+    Built once, with its launch bound (`bound`), and reused while the gradients stay at the same addresses
+    (`key`).
     """
 
     key: tuple
     table: torch.Tensor
     n_tensors: int
     n_programs: int
-    partial_rows: int  # fp64 partial rows the bucket needs, all gradients together
+    partial_values: int  # fp64 partials the bucket needs, all gradients together
     host: torch.Tensor | None = None  # the pinned copy a CUDA table came from (kept alive)
+    bound: Bound | None = None
 
 
-def bucket_table(grads: list[torch.Tensor], params: list[torch.Tensor] | None, rows: list[int], n_slots: int,
-                 n_sets: int, block: int) -> BucketTable:
-    """The table for `grads` (flat, non-empty spans of one dtype and device); rows: their stats rows."""
+def bucket_table(spec, grads: list[torch.Tensor], params: list[torch.Tensor] | None, rows: list[int],
+                 block: int) -> BucketTable:
+    """The table for `grads` (flat, non-empty spans of one dtype and device); rows: their stats rows;
+    spec: the kernels' LaunchSpec."""
     n = len(grads)
     blocks = [-(-g.numel() // block) for g in grads]
     offsets, total = [], 0
     for b in blocks:
         offsets.append(total)
-        total += b * n_sets * 8
+        total += spec.partial_values(b)
+    parts = {"grad": [g.data_ptr() for g in grads],
+             "param": [p.data_ptr() for p in params] if params else [0] * n,
+             "numel": [g.numel() for g in grads], "blocks": blocks,
+             "stats_offset": [r * spec.n_slots for r in rows], "partials_offset": offsets}
     programs = [v for t, b in enumerate(blocks) for k in range(b) for v in (t, k)]
-    values = ([g.data_ptr() for g in grads] + ([p.data_ptr() for p in params] if params else [0] * n)
-              + [g.numel() for g in grads] + blocks + [r * n_slots for r in rows] + offsets + programs)
-    host = torch.tensor(values, dtype=torch.int64)
+    host = torch.tensor([v for part in spec.table_parts for v in parts[part]] + programs, dtype=torch.int64)
     device = grads[0].device
     if device.type == "cuda":
         host = host.pin_memory()
         table = host.to(device, non_blocking=True)
     else:
         table, host = host, None
-    return BucketTable(_bucket_key(grads, params, rows), table, n, sum(blocks), max(total // 8, 1), host)
+    return BucketTable(_bucket_key(grads, params, rows), table, n, sum(blocks), max(total, 1), host)
 
 
 def _bucket_key(grads, params, rows) -> tuple:
@@ -256,35 +317,21 @@ def fire_bucket(plan: Plan, module, items: list[tuple[torch.Tensor, torch.Tensor
     grads = [flat_span(g) for g, _, _ in items]
     params = [flat_span(p) for _, p, _ in items] if uses_param else None
     rows = [r for _, _, r in items]
-    device = grads[0].device
-    block = block_size(module, device)
-    n_sets = max(2, len(plan.graph.reductions()))
-    n_slots = len(plan.slots)
     key = _bucket_key(grads, params, rows)
     table = workspace.tables.get(key)
     if table is None:
-        table = bucket_table(grads, params, rows, n_slots, n_sets, block)
+        device = grads[0].device
+        block = block_size(module, device)
+        table = bucket_table(module.SPEC, grads, params, rows, block)
+        meta = kernel_meta(module, device, sum(g.numel() for g in grads), block, aligned(*grads, *(params or ())))
+        values = {"table": table.table, "n_tensors": table.n_tensors, "partial_values": table.partial_values}
+        table.bound = bind(module, True, table.n_programs, workspace, scalars, values, meta)
         if len(workspace.tables) > 64:  # gradients keep moving: keep the cache small
             workspace.tables.clear()
         workspace.tables[key] = table
-    n = table.n_tensors
-    args = [table.table, n, *scalars]
-    if plan.amp:
-        args.extend(amp)
-    n_reductions = len(plan.graph.reductions())
-    if n_reductions:
-        args.append(workspace.reduced_for(n * n_reductions))
-    if plan.slots:
-        args.append(stats)
-    if n_reductions or plan.slots:
-        args += [workspace.partials_for(table.partial_rows), workspace.counters_for(n)]
-    if plan.hist_range:
-        args.append(workspace.hist_for(n * 2 * (1 << plan.hist_bins.bit_length())))
-    options = launch_options(module, device, sum(g.numel() for g in grads), block)
-    names = [f"reduce_level{level}_multi" for level in range(1, plan.levels + 1)] + ["fused_hook_multi"]
-    hint = aligned(*grads, *(params or ()))
-    for name in names:
-        launch(getattr(module, name), (table.n_programs,), *args, ALIGNED=hint, BLOCK=block, RBLOCK=RBLOCK,
-               **options)
+    tensors = {"stats": stats}
+    if amp is not None:
+        tensors["scale"], tensors["found_inf"] = amp
+    run_bound(table.bound, tensors)
     if plan.writes:
         increment_version([g for g, _, _ in items])

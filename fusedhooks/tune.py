@@ -97,8 +97,7 @@ def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: to
             saved = (torch.randn(numel, device=device) * 1e-2).to(dtype)
             grad = saved.clone()
             for config in configs:
-                trial = functools.partial(_run_config, plan, module, grad, param, hook.scalars, stats,
-                                          workspace, config)
+                trial = _trial(plan, module, grad, param, hook.scalars, stats, workspace, config)
                 grad.copy_(saved)
                 trial()  # compile and warm up
                 times = []
@@ -121,16 +120,15 @@ def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: to
     return results
 
 
-def _run_config(plan, module, grad, param, scalars, stats, workspace, config: dict) -> None:
-    """One firing of the single-gradient kernels with the launch configuration `config`."""
-    numel, block = grad.numel(), config["block"]
-    grid = -(-numel // block)
-    args = runtime.kernel_args(plan, grad, param, scalars, stats, workspace, grid, _amp_for_tuning(plan, grad.device))
-    options = {"enable_fp_fusion": False, "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-    for kernel in runtime.kernels_for(plan, module, grid):
-        runtime.launch(kernel, (grid,), *args, numel, ALIGNED=runtime.aligned(grad, param if plan.graph.uses_param
-                                                                             else None),
-                       BLOCK=block, RBLOCK=runtime.RBLOCK, **options)
+def _trial(plan, module, grad, param, scalars, stats, workspace, config: dict):
+    """One firing of the single-gradient kernels with the launch configuration `config`, bound once."""
+    param = param if plan.graph.uses_param else None
+    bound = runtime.bind_single(module, grad.numel(), runtime.aligned(grad, param), grad.device, workspace,
+                                scalars, config)
+    tensors = {"grad": grad, "param": param, "stats": stats}
+    if plan.amp:
+        tensors["scale"], tensors["found_inf"] = _amp_for_tuning(plan, grad.device)
+    return functools.partial(runtime.run_bound, bound, tensors)
 
 
 def _amp_for_tuning(plan, device):

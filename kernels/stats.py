@@ -10,7 +10,7 @@ import triton.language as tl
 
 #: slots of a partials row: sum, sum of squares, M2 (sum of squared deviations from the block mean),
 #: min, max (NaN excluded), counts of NaN, +-Inf and zeros
-N_PARTIALS = 8
+N_PARTIALS = tl.constexpr(8)  # fusedhooks.codegen.PARTIAL_WIDTH
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel,
     for start in range(0, num_blocks, RBLOCK):
         block = start + rows
         valid = block < num_blocks
-        row_ptr = partials_ptr + (block.to(tl.int64) * N_SETS + SET) * 8
+        row_ptr = partials_ptr + (block.to(tl.int64) * N_SETS + SET) * N_PARTIALS
         if SUM:
             acc_sum += tl.load(row_ptr + 0, mask=valid, other=0.0, cache_modifier=".cg")
         if SUMSQ:
@@ -97,7 +97,7 @@ def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel,
         for start in range(0, num_blocks, RBLOCK):
             block = start + rows
             valid = block < num_blocks
-            row_ptr = partials_ptr + (block.to(tl.int64) * N_SETS + SET) * 8
+            row_ptr = partials_ptr + (block.to(tl.int64) * N_SETS + SET) * N_PARTIALS
             n_block = tl.minimum(numel - block.to(tl.int64) * BLOCK, BLOCK).to(tl.float64)
             n_block = tl.where(valid, n_block, 1.0)
             block_sum = tl.load(row_ptr + 0, mask=valid, other=0.0, cache_modifier=".cg")

@@ -1,0 +1,59 @@
+"""Launching an already compiled Triton kernel directly: the path `JITFunction.run` ends in.
+
+`kernel[grid](*args, **meta)` binds the arguments, computes their specialisation (dtypes, 16-byte alignment,
+integer widths), looks the compiled kernel up and calls its launcher: tens of microseconds of Python per
+launch. A caller that launches the same kernel with the same meta again and again (runtime.Bound) keeps a
+dict; the first launch goes through Triton and leaves the compiled kernel there, keyed by what Triton
+specialises on, and the next ones call `CompiledKernel.run` as `JITFunction.run` does (triton 3.6 to 3.9).
+FUSEDHOOKS_FAST_LAUNCH=0 turns it off (every launch through `kernel[grid]`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def enabled() -> bool:
+    return os.environ.get("FUSEDHOOKS_FAST_LAUNCH", "1") not in ("", "0")
+
+
+def specialization(args) -> tuple:
+    """What Triton specialises a kernel on among `args` beyond their roles: each tensor's dtype and 16-byte
+    alignment, each int's width (an int equal to 1 or divisible by 16 is specialised too unless the kernel
+    says do_not_specialize; fusedhooks' only ints, numel and n_tensors, say so)."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                 else (type(a), isinstance(a, int) and not -(1 << 31) <= a < (1 << 31)) for a in args)
+
+
+def constexpr_names(kernel) -> tuple[str, ...]:
+    """The constexpr parameters of a @triton.jit function, in order (they follow the other arguments in
+    fusedhooks' kernels)."""
+    return tuple(p.name for p in kernel.params if p.is_constexpr)
+
+
+def launch(kernel, grid: tuple, args: tuple, meta: dict, cache: dict) -> None:
+    """`kernel[grid](*args, **meta)`, through the compiled kernel in `cache` when there is one."""
+    from triton.runtime import driver
+
+    device = driver.active.get_current_device()
+    key = (device, specialization(args))
+    entry = cache.get(key)
+    if entry is None or not enabled():
+        compiled = kernel[grid](*args, **meta)
+        if hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
+            names = constexpr_names(kernel)
+            if list(kernel.arg_names[len(args):]) == list(names) and all(n in meta for n in names):
+                cache[key] = (compiled, tuple(meta[n] for n in names))
+        return
+    compiled, constexprs = entry
+    from triton import knobs
+
+    stream = driver.active.get_current_stream(device)
+    full = (*args, *constexprs)
+    grid_1 = grid[1] if len(grid) > 1 else 1
+    grid_2 = grid[2] if len(grid) > 2 else 1
+    launch_metadata = compiled.launch_metadata(grid, stream, *full)
+    compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, launch_metadata,
+                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)
