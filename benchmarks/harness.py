@@ -200,8 +200,9 @@ def environment(device: torch.device) -> dict:
             "type": device.type,
             "name": device_name(device),
             "representative": not cpu,
-            "note": ("CPU timings are NOT representative: fusedhooks runs its eager reference backend (or the Triton "
-                     "interpreter) there; only structural figures (passes, bytes per element, launches) carry over"
+            "note": ("CPU timings are NOT representative of GPUs: fusedhooks runs its eager CPU backend there (what a "
+                     "CPU user gets: compare it with eager), or the Triton interpreter; of the kernels only structural "
+                     "figures (passes, bytes per element, launches) carry over"
                      if cpu else "GPU run"),
             "cpu_threads": torch.get_num_threads(),
         },
@@ -241,6 +242,7 @@ class Report:
         self.info, self.settings = info, settings
         self.copy: list[dict] = []
         self.results: list[dict] = []
+        self.overhead: list[dict] = []  # benchmarks/overhead.py
         self.titles: dict[str, str] = {}
         self.started = time.time()
 
@@ -261,7 +263,7 @@ class Report:
     def to_json(self) -> dict:
         self.derive()
         return {"schema": 1, **self.info, "settings": self.settings, "elapsed_s": round(time.time() - self.started, 1),
-                "copy": self.copy, "results": self.results}
+                "copy": self.copy, "results": self.results, "overhead": self.overhead}
 
     def write_json(self, out: Path) -> Path:
         out.mkdir(parents=True, exist_ok=True)
@@ -289,6 +291,12 @@ class Report:
         for workload, title in self.titles.items():
             rows = [r for r in self.results if r["workload"] == workload]
             lines += [f"## {title} (`{workload}`)", ""] + self._table(rows) + [""]
+        if self.overhead:
+            lines += ["## fusedhooks' own host time per firing, launches excluded (`overhead`)", "",
+                      "| case | dtype | µs | target µs |", "| --- | --- | ---: | ---: |"]
+            lines += [f"| {r['case']} | {r['dtype']} | {r['us']:.1f} | {fmt(r['target_us'], '≤ {:.0f}')} |"
+                      for r in self.overhead]
+            lines.append("")
         return "\n".join(lines)
 
     def _table(self, rows: list[dict]) -> list[str]:

@@ -19,6 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
+import overhead
 import torch
 from harness import (
     HostClock,
@@ -43,8 +44,9 @@ SIZE_PRESETS = {
     "sweep": "1K,4K,16K,64K,256K,1M,4M,16M,64M,256M",
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-#: The workloads, in run order: the model step first (a headline figure), then the one-gradient sweeps.
-ALL_WORKLOADS = ("model", *WORKLOADS)
+#: The workloads, in run order: the model step first (a headline figure), then the one-gradient sweeps, then
+#: fusedhooks' own host time per firing (benchmarks/overhead.py).
+ALL_WORKLOADS = ("model", *WORKLOADS, "overhead")
 #: Calls before timing: compiles Triton kernels and torch.compile graphs, allocates workspaces.
 WARMUP_CALLS = 3
 #: The model's batch: (batch, seq) for the tiny and the full-size config.
@@ -331,7 +333,12 @@ def main(argv=None) -> int:
     report.settings.update(timer=bench.timer.how, host_reps=bench.host_reps, warmup_calls=WARMUP_CALLS)
     try:
         for name in args.workloads:
-            bench.model() if name == "model" else bench.sweep(name)
+            if name == "model":
+                bench.model()
+            elif name == "overhead":
+                report.overhead = overhead.measure(device, args.dtypes, args.quick)
+            else:
+                bench.sweep(name)
             report.write_json(args.out)
     except KeyboardInterrupt:  # e.g. `timeout -s INT`: report what was measured
         report.info["interrupted"] = True

@@ -11,7 +11,7 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="train a small model with a compiled clip + statistics hook")
     demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    demo.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"),
+    demo.add_argument("--backend", default="auto", choices=("auto", "triton", "eager", "reference"),
                       help="on CPU, 'auto' runs the Triton kernels in the interpreter (TRITON_INTERPRET=1)")
     tune = sub.add_parser("tune", help="measure launch configurations for a hook's kernels and cache the best")
     tune.add_argument("--hook", help="module:attr of a fusedhooks GradHook (default: clip + scale + all stats)")
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     if args.command == "demo":
         import torch
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cpu" and args.backend != "reference":
+        if device == "cpu" and args.backend not in ("eager", "reference"):
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel is compiled
         from .demo import run_demo
         run_demo(steps=args.steps, device=device, backend=args.backend)

@@ -100,8 +100,8 @@ class GradHook:
         self.fn = fn
         self.stat_names = _parse_stats(stats, "stats")
         self.input_stat_names = _parse_stats(input_stats, "input_stats")
-        if backend not in (None, "auto", "triton", "reference"):
-            raise ValueError(f"backend must be 'auto', 'triton' or 'reference', not {backend!r}")
+        if backend is not None and backend not in runtime.BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(map(repr, runtime.BACKENDS))}, not {backend!r}")
         self.backend = backend
         self.hist_range = _parse_hist_range(hist_range)
         if (scaler is None) != (optimizer is None):
@@ -122,9 +122,12 @@ class GradHook:
         self._buckets = Buckets(self)
         self._shards = distributed.ShardStats(self)
         self._distributed_checked = False
+        self._distributed_seen = -1  # the backward in which no process group was running, last checked
         self._graphs: dict[torch.dtype, Graph] = {}
         self._compiled: dict[tuple, Compiled] = {}
+        self._compiled_by_index: dict[tuple, Compiled] = {}  # (dtype, is_cuda, device index) -> the unsharded one
         self._workspaces: dict[tuple, runtime.Workspace] = {}
+        self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
         if fn is not None:
             functools.update_wrapper(self, fn, updated=())
         else:
@@ -162,7 +165,7 @@ class GradHook:
             self._shards.fire(entry, param, grad, backward_key)
             return
         if not self._distributed_checked:
-            self._check_distributed(entry)
+            self._check_distributed(entry, backward_key)
         self.process(entry, grad, param, backward_key)
 
     def process(self, entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
@@ -172,22 +175,26 @@ class GradHook:
         if grad.requires_grad:
             compiled = self._compiled_for_autograd(grad.dtype)
         else:
-            compiled = self.compiled(grad.dtype, grad.device)
+            compiled = self._compiled_for(grad)
         if entry.checked_shape != grad.shape:
             self._check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
         stats_row = self.stats.row(entry.row) if compiled.plan.slots else None
         amp = self.amp_tensors(grad.device) if compiled.plan.amp else None
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
-                     self.workspace(grad.device), amp)
+                     self._workspace_for(grad), amp)
         entry.record(grad)
 
-    def _check_distributed(self, entry: Entry) -> None:
+    def _check_distributed(self, entry: Entry, backward_key: int) -> None:
         """At the first firing on a gradient of this rank alone in a process group of several ranks: say once
         that the hook sees local gradients (under DDP, before they are averaged), and process end-of-backward
-        buckets at each firing from now on, before DDP's reducer (which Python cannot see) reads them."""
+        buckets at each firing from now on, before DDP's reducer (which Python cannot see) reads them. Without
+        a process group, checked again at the next backward."""
+        if backward_key == self._distributed_seen:
+            return
         world = distributed.world_size()
         if world is None:
+            self._distributed_seen = backward_key
             return
         self._distributed_checked = True
         if world > 1:
@@ -258,6 +265,20 @@ class GradHook:
         compiled = self._compiled.get((dtype, device, shard))
         if compiled is not None:
             return compiled
+        compiled = self._compile(dtype, device, shard)
+        self._compiled[(dtype, device, shard)] = compiled
+        return compiled
+
+    def _compiled_for(self, grad: torch.Tensor) -> Compiled:
+        """`compiled` for a (plain, unsharded) gradient, found by its dtype and device index: the per-firing
+        lookup (building the gradient's torch.device is dearer than the rest of it)."""
+        key = (grad.dtype, grad.is_cuda, grad.get_device())
+        compiled = self._compiled_by_index.get(key)
+        if compiled is None:
+            compiled = self._compiled_by_index[key] = self.compiled(grad.dtype, grad.device)
+        return compiled
+
+    def _compile(self, dtype: torch.dtype, device: torch.device, shard: bool) -> Compiled:
         for i, s in enumerate(self._body.scalars):
             if s.device != device and not (device.type == "cpu" and s.device.type == "cpu"):
                 raise ValueError(f"{self.__name__}: closed-over tensor {i} is on {s.device} but the gradient is on "
@@ -269,8 +290,7 @@ class GradHook:
         plan = make_plan(self._graph(dtype), stats, input_stats, backend=backend, amp=self._amp and not shard,
                          hist_range=self.hist_range)
         kernel = codegen.load(*codegen.generate_with_spec(plan, device.type)) if backend == "triton" else None
-        compiled = self._compiled[(dtype, device, shard)] = Compiled(plan, kernel)
-        return compiled
+        return Compiled(plan, kernel)
 
     def _compiled_for_autograd(self, dtype: torch.dtype) -> Compiled:
         """The reference plan: eager torch ops, recorded by autograd when `.grad` requires grad."""
@@ -286,6 +306,16 @@ class GradHook:
         if torch.broadcast_shapes(result_shape, t.shape) != t.shape:
             raise CompileError(f"{self.__name__}: the body's result has shape {result_shape}, which does not "
                                f"broadcast to the gradient of {name} (shape {tuple(t.shape)})")
+
+    def _workspace_for(self, grad: torch.Tensor) -> runtime.Workspace:
+        """`workspace(grad.device)`, found by the device index (the per-firing lookup)."""
+        key = (grad.is_cuda, grad.get_device(), threading.get_ident())
+        ws = self._workspaces_by_index.get(key)
+        if ws is None:
+            if len(self._workspaces_by_index) > 64:
+                self._workspaces_by_index.clear()
+            ws = self._workspaces_by_index[key] = self.workspace(grad.device)
+        return ws
 
     def workspace(self, device: torch.device) -> runtime.Workspace:
         """This thread's scratch on `device` (concurrent backwards in other threads use their own)."""
@@ -583,7 +613,7 @@ def grad_hook(fn=None, *, stats=(), input_stats=(), backend: str | None = None, 
 
     Use bare (`@fh.grad_hook`), with options (`@fh.grad_hook(stats=("norm",))`), or without a function
     for a statistics-only hook. stats / input_stats: statistic names, "hist", or "all", measured after /
-    before the body. backend: "auto" (default), "triton" or "reference" (see README, environment variables).
+    before the body. backend: "auto" (default), "triton", "eager" or "reference" (see README, environment variables).
     scaler, optimizer: a torch.amp.GradScaler and the optimizer it steps: the body sees the unscaled
     gradient and the scaler's books are kept (see README, AMP). hist_range: (lo, hi) exponents of the
     "hist" bins, default (-40, 8).

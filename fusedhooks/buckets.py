@@ -33,18 +33,24 @@ class PendingBackward:
         self.thread = threading.get_ident()  # a nested (reentrant) backward runs on its parent's thread
         self.groups: dict[tuple, dict[int, tuple[Entry, torch.Tensor]]] = {}
         self.nbytes: dict[tuple, int] = {}
+        self.seen: set[int] = set()  # id() of every tensor collected in this backward
         self.done = False
 
     def __contains__(self, param: torch.Tensor) -> bool:
-        return any(id(param) in group for group in self.groups.values())
+        return id(param) in self.seen
 
-    def add(self, entry: Entry, param: torch.Tensor) -> None:
-        """Collect `param`'s gradient; launch its bucket once it holds entry.bucket_bytes."""
-        grad = param.grad
+    def add(self, entry: Entry, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Collect `param`'s gradient `grad`; launch its bucket once it holds entry.bucket_bytes."""
         key = (grad.device, grad.dtype)
-        self.groups.setdefault(key, {})[id(param)] = (entry, param)
-        self.nbytes[key] = self.nbytes.get(key, 0) + grad.numel() * grad.element_size()
-        if self.nbytes[key] >= entry.bucket_bytes:
+        self.seen.add(id(param))
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = {}
+            self.nbytes[key] = 0
+        group[id(param)] = (entry, param)
+        nbytes = self.nbytes[key] + grad.nbytes
+        self.nbytes[key] = nbytes
+        if nbytes >= entry.bucket_bytes:
             self.flush(key)
 
     def flush_all(self) -> None:
@@ -71,11 +77,11 @@ def process_together(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torc
     compiled = hook.compiled(dtype, device)
     plan, together = compiled.plan, []
     hook.stats.begin_firing(backward_key)
+    uses_param = plan.graph.uses_param
     for entry, grad, p in items:
         shareable = (plan.backend == "triton" and grad.numel() > 0 and not grad.requires_grad
-                     and grad.dtype == dtype and grad.device == device
-                     and flat_span(grad) is not None and entry.checked_shape == grad.shape
-                     and (not plan.graph.uses_param or (p.stride() == grad.stride() and flat_span(p) is not None)))
+                     and grad.dtype == dtype and grad.device == device and entry.checked_shape == grad.shape
+                     and _dense(grad) and (not uses_param or (p.stride() == grad.stride() and _dense(p))))
         if shareable:
             together.append((entry, grad, p))
         else:
@@ -90,6 +96,12 @@ def process_together(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torc
             entry.record(grad)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Is `t` one flat span of storage (layout.flat_span), checked without building the view when it is
+    contiguous?"""
+    return t.is_contiguous() or flat_span(t) is not None
+
+
 class Buckets:
     """A hook's end-of-backward buckets: the PendingBackward of each backward now running."""
 
@@ -101,29 +113,47 @@ class Buckets:
         #: True once the hook runs in a process group of several ranks: DDP's reducer may read each gradient
         #: right after our firing, so nothing waits for the end of backward
         self.at_firing = False
+        #: (graph task id, weak reference to its PendingBackward) of the last backward enqueued into
+        self._last: tuple[int, weakref.ref] = (-2, lambda: None)
 
     def enqueue(self, entry: Entry, param: torch.Tensor) -> None:
         """The torch hook of a bucketed tensor. Processed now, at its own firing, when the gradient must be
         final before anything else runs (a post-accumulate hook registered after ours on the tensor), when
         autograd records the body (`.grad` requires grad: create_graph=True), outside a backward, for a sharded
         (FSDP2) gradient, and in a process group of several ranks (see GradHook._check_distributed)."""
-        hook = self._hook()
         grad = param.grad
-        if hook is None or grad is None:
+        if grad is None:
             return
         backward_key = torch._C._current_graph_task_id()
-        sharded = distributed.is_dtensor(grad)
-        if not hook._distributed_checked and not sharded:
-            hook._check_distributed(entry)
+        key, pending = self._last
+        if key == backward_key and len(self._running) == 1:
+            # the one backward running, already seen (the common case): only the per-firing checks
+            pending = pending()
+            if (pending is not None and not pending.done and not grad.requires_grad and not self.at_firing
+                    and not entry.sharded and not entry.has_later_hooks(param)):
+                if id(param) not in pending.seen:  # a second firing in the same backward is processed once
+                    pending.add(entry, param, grad)
+                return
+        self._enqueue(entry, param, grad, backward_key)
+
+    def _enqueue(self, entry: Entry, param: torch.Tensor, grad: torch.Tensor, backward_key: int) -> None:
+        hook = self._hook()
+        if hook is None:
+            return
+        if entry.sharded is None:
+            entry.sharded = distributed.is_dtensor(grad)
+        if not hook._distributed_checked and not entry.sharded:
+            hook._check_distributed(entry, backward_key)
         if (backward_key < 0 or grad.requires_grad or entry.has_later_hooks(param) or self.at_firing
-                or sharded):
+                or entry.sharded):
             hook.fire(param, entry, backward_key)
             return
         with self._lock:
             pending = self._running.get(backward_key)
             thread = threading.get_ident()
-            if any(param in p for k, p in self._running.items()
-                   if k != backward_key and not p.done and p.thread == thread):
+            if len(self._running) > (pending is not None) and any(
+                    param in p for k, p in self._running.items()
+                    if k != backward_key and not p.done and p.thread == thread):
                 # fired again inside a nested backward (reentrant checkpointing) while the outer backward
                 # still holds it: processed once, at the outer backward's end, on the full gradient
                 return
@@ -131,5 +161,6 @@ class Buckets:
                 pending = PendingBackward(hook, backward_key)
                 torch.autograd.Variable._execution_engine.queue_callback(pending.flush_all)
                 self._running[backward_key] = pending
+            self._last = (backward_key, weakref.ref(pending))
         if param not in pending:  # a second firing in the same backward is processed once, too
-            pending.add(entry, param)
+            pending.add(entry, param, grad)

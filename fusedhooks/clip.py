@@ -64,8 +64,8 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     that small vector, exactly as torch does (each norm in its gradient's dtype, total_norm =
     vector_norm(norms, norm_type), coef = clamp(max_norm / (total_norm + 1e-6), max=1)), and every gradient is
     multiplied by the coefficient in place: with the Triton backend by one multi-tensor launch per
-    (device, dtype), which reads and writes nothing when the coefficient is 1; with the reference backend (CPU
-    without TRITON_INTERPRET, or backend="reference") by `torch._foreach_mul_` as torch does. No host sync
+    (device, dtype), which reads and writes nothing when the coefficient is 1; with the eager and reference backends
+    (CPU without TRITON_INTERPRET, or backend="eager"/"reference") by `torch._foreach_mul_` as torch does. No host sync
     unless error_if_nonfinite=True.
 
     Which parameters count: those registered with `hook` whose `.grad` is not None (None is skipped, as torch
@@ -142,7 +142,7 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     for g in layout.groups:
         coef = clip_coef_clamped.to(g.device)
         group_grads = [grads[i] for i in g.members]
-        if runtime.choose_backend(g.device, hook.backend) == "reference":
+        if runtime.choose_backend(g.device, hook.backend) != "triton":
             if foreach is False:
                 for t in group_grads:
                     t.mul_(coef)

@@ -49,6 +49,8 @@ def world_size() -> int | None:
 def is_dtensor(t) -> bool:
     """Is `t` a DTensor (an FSDP2-sharded parameter or its gradient)? Imports nothing: no DTensor exists before
     torch.distributed.tensor is imported."""
+    if type(t) is torch.Tensor:  # the common case, decided without a lookup
+        return False
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 

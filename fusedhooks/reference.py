@@ -68,11 +68,12 @@ def tensor_stats(x: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor]:
     return [one(name) for name in names]
 
 
-def histogram(x: torch.Tensor, hist_range: tuple[int, int]) -> torch.Tensor:
+def histogram(x: torch.Tensor, hist_range: tuple[int, int], compute: torch.dtype = torch.float64) -> torch.Tensor:
     """Counts (float64 [hi - lo]) of floor(log2|x|) in bins lo .. hi-1: zeros and smaller values in the
-    first bin, larger values and +-Inf in the last, NaN in none."""
+    first bin, larger values and +-Inf in the last, NaN in none. compute: a float dtype that holds x's values
+    exactly (frexp is exact in it)."""
     lo, hi = hist_range
-    x = x.detach().reshape(-1).to(torch.float64)
+    x = x.detach().reshape(-1).to(compute)
     x = x[~torch.isnan(x)]
     _, exponent = torch.frexp(x.abs())            # |x| = m * 2**e, 0.5 <= m < 1: floor(log2|x|) = e - 1
     bins = (exponent.to(torch.int64) - 1 - lo).clamp(0, hi - lo - 1)

@@ -11,7 +11,7 @@ import torch
 from .stats import HookStats
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Measurement:
     """The gradient a statistics row describes: that tensor object (not its address: a freed gradient's
     address is often reused by the next one) at that version. `coef`: a 0-dim device tensor the gradient
@@ -37,6 +37,7 @@ class Entry:
     bucket_bytes: int = 0  # > 0: processed in end-of-backward buckets of this many gradient bytes
     torch_hook_id: int | None = None  # our key in the tensor's _post_accumulate_grad_hooks
     averaged: bool = False  # registered through DDP's communication hook (register(ddp_model))
+    sharded: bool | None = None  # the tensor is a DTensor (FSDP2); None: not known yet (its first firing)
     measured: Measurement | None = None
 
     @property

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import increment_version
 
-from . import fastlaunch, reference, tuning
+from . import eager, fastlaunch, reference, tuning
 from .layout import flat_span
 from .plan import Plan
 
@@ -26,22 +26,34 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+#: The backends a hook can ask for (grad_hook(backend=), FUSEDHOOKS_BACKEND).
+BACKENDS = ("auto", "triton", "eager", "reference")
+
+
 def choose_backend(device: torch.device, requested: str | None = None) -> str:
-    """"triton" or "reference" for gradients on `device`.
+    """"triton", "eager" or "reference" for gradients on `device`.
 
     requested (or FUSEDHOOKS_BACKEND): "auto" (default: Triton on CUDA, and on CPU under TRITON_INTERPRET=1;
-    the eager reference otherwise), "triton" or "reference".
+    "eager" on CPU otherwise; "reference" on other devices), "triton", "eager" (CPU tensors only: it reads
+    statistics on the host) or "reference" (eager torch in float64: the tests' oracle).
     """
     requested = requested or os.environ.get("FUSEDHOOKS_BACKEND") or "auto"
-    if requested not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', not {requested!r}")
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {requested!r}")
     if requested == "reference":
         return "reference"
+    if requested == "eager":
+        if device.type != "cpu":
+            raise RuntimeError(f"the eager backend runs on CPU tensors (it reads statistics on the host); got a "
+                               f"{device.type} tensor: use backend='auto' or 'triton'")
+        return "eager"
     triton_ok = device.type == "cuda" or (device.type == "cpu" and interpreting())
     if requested == "triton" and not triton_ok:
         raise RuntimeError(f"the triton backend runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; "
                            f"got a {device.type} tensor")
-    return "triton" if triton_ok else "reference"
+    if triton_ok:
+        return "triton"
+    return "eager" if device.type == "cpu" else "reference"
 
 
 def block_size(module=None, device: torch.device | None = None) -> int:
@@ -93,6 +105,15 @@ class Workspace:
         self.counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.tables: dict[tuple, BucketTable] = {}
         self.bound: dict[tuple, Bound] = {}
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+
+    def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D buffer of `numel` elements of `dtype`, reused (the eager backend's temporaries: a fresh large
+        CPU allocation costs a page fault per page at first touch)."""
+        buffer = self._scratch.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._scratch[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buffer[:numel]
 
     def counters_for(self, n: int) -> torch.Tensor:
         if self.counters.numel() < n:
@@ -219,11 +240,14 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
          stats_row: torch.Tensor | None, workspace: Workspace, amp: tuple | None = None) -> None:
     """Apply `plan` to `grad` in place and record its statistics into `stats_row`; no host sync.
 
-    module: the generated kernels (None for the reference backend); amp: (scale, found_inf) tensors
+    module: the generated kernels (None for the eager and reference backends); amp: (scale, found_inf) tensors
     when the hook unscales for a GradScaler. An empty gradient launches no kernel: its statistics
     (count 0, sum 0, mean NaN, ...) are written by the reference backend.
     """
     numel = grad.numel()
+    if plan.backend == "eager" and numel:
+        eager.run(plan, grad, param, scalars, stats_row, amp, workspace.scratch)
+        return
     if module is None or numel == 0:
         reference.run(plan, grad, param, scalars, stats_row, amp)
         return
@@ -262,47 +286,55 @@ class BucketTable:
     parts of codegen.TABLE_PARTS (grad addresses, param addresses, numels, blocks per gradient, stats row
     offsets, partials offsets), each n_tensors long, then (gradient, block) of each program.
 
-    Built once, with its launch bound (`bound`), and reused while the gradients stay at the same addresses
-    (`key`).
+    Built once per bucket layout (the gradients' sizes and rows) with its launches bound (`bound`, one per
+    ALIGNED hint); when the gradients move (a new backward allocates new ones), only the addresses are
+    rewritten (`point_to`).
     """
 
-    key: tuple
     table: torch.Tensor
     n_tensors: int
     n_programs: int
     partial_values: int  # fp64 partials the bucket needs, all gradients together
-    host: torch.Tensor | None = None  # the pinned copy a CUDA table came from (kept alive)
-    bound: Bound | None = None
+    addresses: tuple = ()  # the grad (then param) addresses the table holds now
+    host: torch.Tensor | None = None  # the pinned copy a CUDA table came from (kept alive until replaced)
+    bound: dict = field(default_factory=dict)  # ALIGNED hint -> Bound
+
+    def point_to(self, addresses: tuple) -> None:
+        """Make the table's first two parts hold `addresses` (n_tensors grad addresses, then 0 or n_tensors
+        param addresses); stream-ordered after launches already queued."""
+        if addresses == self.addresses:
+            return
+        values = torch.tensor(addresses, dtype=torch.int64)
+        if self.table.device.type == "cuda":
+            values = values.pin_memory()
+            self.table[:len(addresses)].copy_(values, non_blocking=True)
+            self.host = values
+        else:
+            self.table[:len(addresses)] = values
+        self.addresses = addresses
 
 
-def bucket_table(spec, grads: list[torch.Tensor], params: list[torch.Tensor] | None, rows: list[int],
-                 block: int) -> BucketTable:
-    """The table for `grads` (flat, non-empty spans of one dtype and device); rows: their stats rows;
-    spec: the kernels' LaunchSpec."""
-    n = len(grads)
-    blocks = [-(-g.numel() // block) for g in grads]
+def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: int, device: torch.device
+                 ) -> BucketTable:
+    """The table for gradients of `numels` elements (non-empty) with statistics rows `rows`, addresses unset
+    (see `BucketTable.point_to`); spec: the kernels' LaunchSpec."""
+    n = len(numels)
+    blocks = [-(-numel // block) for numel in numels]
     offsets, total = [], 0
     for b in blocks:
         offsets.append(total)
         total += spec.partial_values(b)
-    parts = {"grad": [g.data_ptr() for g in grads],
-             "param": [p.data_ptr() for p in params] if params else [0] * n,
-             "numel": [g.numel() for g in grads], "blocks": blocks,
+    parts = {"grad": [0] * n, "param": [0] * n, "numel": list(numels), "blocks": blocks,
              "stats_offset": [r * spec.n_slots for r in rows], "partials_offset": offsets}
     programs = [v for t, b in enumerate(blocks) for k in range(b) for v in (t, k)]
-    host = torch.tensor([v for part in spec.table_parts for v in parts[part]] + programs, dtype=torch.int64)
-    device = grads[0].device
+    values = [v for part in spec.table_parts for v in parts[part]] + programs
+    host = torch.tensor(values, dtype=torch.int64)
     if device.type == "cuda":
         host = host.pin_memory()
         table = host.to(device, non_blocking=True)
     else:
         table, host = host, None
-    return BucketTable(_bucket_key(grads, params, rows), table, n, sum(blocks), max(total, 1), host)
-
-
-def _bucket_key(grads, params, rows) -> tuple:
-    return (tuple(g.data_ptr() for g in grads), tuple(g.numel() for g in grads),
-            tuple(p.data_ptr() for p in params) if params else (), tuple(rows))
+    return BucketTable(table, n, sum(blocks), max(total, 1), host=host)
 
 
 def fire_bucket(plan: Plan, module, items: list[tuple[torch.Tensor, torch.Tensor, int]],
@@ -310,28 +342,35 @@ def fire_bucket(plan: Plan, module, items: list[tuple[torch.Tensor, torch.Tensor
                 amp: tuple | None = None) -> None:
     """Apply `plan` to every (grad, param, stats row) of `items` with one launch per pass; no host sync.
 
-    Every grad must be a non-empty flat span (see `layout.flat_span`) of plan.dtype on one device; with a
-    param-reading body, each param must be a flat span with its grad's strides.
+    Every grad must be non-empty, one flat span of storage (see `layout.flat_span`: its data_ptr and numel
+    are those of the span), of plan.dtype on one device; with a param-reading body, each param must be a flat
+    span with its grad's strides.
     """
-    uses_param = plan.graph.uses_param
-    grads = [flat_span(g) for g, _, _ in items]
-    params = [flat_span(p) for _, p, _ in items] if uses_param else None
-    rows = [r for _, _, r in items]
-    key = _bucket_key(grads, params, rows)
+    grads = [g for g, _, _ in items]
+    numels = tuple(g.numel() for g in grads)
+    rows = tuple(r for _, _, r in items)
+    addresses = tuple(g.data_ptr() for g in grads)
+    if plan.graph.uses_param:
+        addresses += tuple(p.data_ptr() for _, p, _ in items)
+    key = (module, numels, rows)
     table = workspace.tables.get(key)
+    device = grads[0].device
     if table is None:
-        device = grads[0].device
-        block = block_size(module, device)
-        table = bucket_table(module.SPEC, grads, params, rows, block)
-        meta = kernel_meta(module, device, sum(g.numel() for g in grads), block, aligned(*grads, *(params or ())))
-        values = {"table": table.table, "n_tensors": table.n_tensors, "partial_values": table.partial_values}
-        table.bound = bind(module, True, table.n_programs, workspace, scalars, values, meta)
-        if len(workspace.tables) > 64:  # gradients keep moving: keep the cache small
+        if len(workspace.tables) > 64:  # bucket layouts keep changing: keep the cache small
             workspace.tables.clear()
-        workspace.tables[key] = table
+        table = workspace.tables[key] = bucket_table(module.SPEC, numels, rows, block_size(module, device), device)
+    table.point_to(addresses)
+    elsize = grads[0].element_size()
+    hint = all(a % 16 == 0 for a in addresses) and all(n * elsize % 16 == 0 for n in numels)
+    bound = table.bound.get(hint)
+    if bound is None:
+        block = block_size(module, device)
+        meta = kernel_meta(module, device, sum(numels), block, hint)
+        values = {"table": table.table, "n_tensors": table.n_tensors, "partial_values": table.partial_values}
+        bound = table.bound[hint] = bind(module, True, table.n_programs, workspace, scalars, values, meta)
     tensors = {"stats": stats}
     if amp is not None:
         tensors["scale"], tensors["found_inf"] = amp
-    run_bound(table.bound, tensors)
+    run_bound(bound, tensors)
     if plan.writes:
-        increment_version([g for g, _, _ in items])
+        increment_version(grads)

@@ -31,9 +31,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(params=["triton", "reference"])
+@pytest.fixture(params=["triton", "eager", "reference"])
 def backend(request):
-    """Every numeric test runs on both backends: the Triton kernels and the eager reference."""
+    """Every numeric test runs on every backend: the Triton kernels, the eager CPU backend and the float64
+    reference (the oracle)."""
+    if request.param == "eager" and torch.cuda.is_available():
+        pytest.skip("the eager backend runs on CPU tensors; the tests' device is CUDA here")
     return request.param
 
 

@@ -46,7 +46,7 @@ def test_quick_run_records_environment(quick):
     if (ROOT / ".git").exists():
         assert len(data["git"]["revision"]) == 40
     assert "benchmarks/run.py" in data["command"] and "--quick" in data["command"]
-    assert data["fusedhooks_backend"] == "reference"
+    assert data["fusedhooks_backend"] == "eager"
     assert data["settings"]["timer"] and data["elapsed_s"] > 0
 
 

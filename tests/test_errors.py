@@ -152,11 +152,16 @@ def test_stats_of_wrong_type_rejected_with_message_naming_stats():
         fh.grad_hook(stats=3)
 
 
-@pytest.mark.parametrize("backend", ["cuda", "eager", ""])
+@pytest.mark.parametrize("backend", ["cuda", "torch", ""])
 def test_bad_backend_rejected(backend):
-    expected = rf"backend must be 'auto', 'triton' or 'reference', not '{backend}'"
+    expected = rf"backend must be one of 'auto', 'triton', 'eager', 'reference', not '{backend}'"
     with pytest.raises(ValueError, match=expected):
         fh.grad_hook(lambda grad: grad, backend=backend)
+
+
+def test_eager_backend_refuses_a_gpu_gradient_with_what_to_do():
+    with pytest.raises(RuntimeError, match="the eager backend runs on CPU tensors .* use backend='auto' or 'triton'"):
+        fh.runtime.choose_backend(torch.device("cuda"), "eager")  # decided before any CUDA call
 
 
 def test_non_callable_rejected():

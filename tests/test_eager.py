@@ -1,0 +1,116 @@
+"""The eager CPU backend (`auto` on CPU without the interpreter): bodies in place, statistics in the gradient's
+precision. Its numerics also run in every test that takes the `backend` fixture; these check what is its own."""
+
+import math
+
+import pytest
+import torch
+
+import fusedhooks as fh
+from fusedhooks import eager, runtime
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def ids(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def fire(hook, grad, param=None):
+    p = torch.nn.Parameter(param if param is not None else torch.zeros_like(grad))
+    p.grad = grad
+    hook.register(p, name="p")
+    hook(p)
+    return p
+
+
+def test_auto_is_eager_on_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("FUSEDHOOKS_BACKEND", raising=False)
+    assert runtime.choose_backend(torch.device("cpu")) == "eager"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert runtime.choose_backend(torch.device("cpu")) == "triton"
+    assert runtime.choose_backend(torch.device("cpu"), "reference") == "reference"
+
+
+def test_a_chain_of_ops_runs_in_place_on_the_gradient():
+    scale = torch.tensor(0.5)
+    hook = fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0) * scale, backend="eager")
+    body = eager.compile_body(hook._graph(torch.float32))
+    assert "clamp_(" in body.source and "mul_(" in body.source and "eager(" not in body.source
+    grad = torch.randn(1000) * 3
+    expected = grad.clamp(-1.0, 1.0) * scale
+    storage = grad.data_ptr()
+    p = fire(hook, grad)
+    assert p.grad.data_ptr() == storage
+    assert torch.equal(p.grad, expected)
+
+
+BODIES = {
+    "reads_grad_again": lambda grad: torch.where(grad > 0, grad, grad * 0.5) + grad,
+    "float_aliases_for_fp32": lambda grad: grad.float() * 2.0 + grad,
+    "reads_param": lambda grad, param: grad + param * 1e-2,
+    "square_then_sub": lambda grad: grad * grad - grad,
+    "normalise": lambda grad: grad / (grad.norm() + 1e-6),
+    "min_max": lambda grad: torch.maximum(grad.clamp(min=-0.5), grad * 0.25),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("name", BODIES)
+def test_bodies_equal_eager_torch_bit_for_bit_and_leave_the_parameter_alone(name, dtype):
+    fn = BODIES[name]
+    torch.manual_seed(3)
+    grad = torch.randn(1031).to(dtype)
+    param = torch.randn(1031).to(dtype)
+    param_before = param.clone()
+    args = (grad.clone(), param) if fn.__code__.co_argcount == 2 else (grad.clone(),)
+    expected = fn(*args)
+    p = fire(fh.grad_hook(fn, backend="eager"), grad, param)
+    assert torch.equal(p.grad, expected.to(dtype))
+    assert torch.equal(p.detach(), param_before)
+
+
+def test_statistics_meet_the_design_accuracy_targets_at_a_million_elements():
+    torch.manual_seed(5)
+    grad = torch.randn(1 << 20) * 3 + 0.5
+    grad[::1001] = 0.0
+    x64 = grad.double()
+    hook = fh.grad_hook(stats="all", backend="eager")
+    fire(hook, grad.clone())
+    got = hook.stats.read()["p"]
+    magnitude = x64.abs().sum().item()
+    assert abs(got["sum"] - x64.sum().item()) <= 1e-5 * magnitude
+    assert abs(got["mean"] - x64.mean().item()) <= 1e-5 * magnitude / x64.numel()
+    for name, ref in (("sumsq", (x64 * x64).sum()), ("norm", x64.norm()), ("var", x64.var()), ("std", x64.std())):
+        assert got[name] == pytest.approx(ref.item(), rel=1e-5), name
+    assert (got["min"], got["max"], got["absmax"]) == (x64.min().item(), x64.max().item(), x64.abs().max().item())
+    assert (got["nan"], got["inf"], got["zeros"]) == (0, 0, (x64 == 0).sum().item())
+
+
+def test_std_far_from_zero_mean():
+    torch.manual_seed(6)
+    grad = torch.randn(1 << 20) + 1000.0  # |mean| / std = 1e3
+    hook = fh.grad_hook(stats=("std",), backend="eager")
+    fire(hook, grad.clone())
+    assert hook.stats.read()["p"]["std"] == pytest.approx(grad.double().std().item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=ids)
+def test_nan_and_inf_are_counted_when_present(dtype):
+    grad = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0, float("nan")]).to(dtype)
+    hook = fh.grad_hook(stats=("nan", "inf", "zeros", "min", "absmax", "sum"), backend="eager")
+    fire(hook, grad)
+    got = hook.stats.read()["p"]
+    assert (got["nan"], got["inf"], got["zeros"]) == (2, 2, 1)
+    assert math.isnan(got["min"]) and math.isnan(got["absmax"]) and math.isnan(got["sum"])
+
+
+def test_large_temporaries_are_reused_between_firings():
+    hook = fh.grad_hook(stats=("norm", "var"), backend="eager")
+    p = fire(hook, torch.randn(1 << 16))
+    workspace = hook.workspace(p.device)
+    first = {dtype: t.data_ptr() for dtype, t in workspace._scratch.items()}
+    assert first
+    hook(p)
+    assert {dtype: t.data_ptr() for dtype, t in workspace._scratch.items()} == first
