@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codegen, distributed, runtime
+from . import codegen, distributed, eager, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
@@ -81,7 +81,8 @@ class BackwardPlan:
 
 @dataclass
 class Compiled:
-    """A hook's plan for one (dtype, device) and its generated kernels (None for the reference backend)."""
+    """A hook's plan for one (dtype, device) and what runs it: the generated Triton kernels (a module), the eager
+    backend's body function (eager.compile_body), or None (the reference backend)."""
 
     plan: Plan
     kernel: object
@@ -289,8 +290,9 @@ class GradHook:
             stats, input_stats = distributed.partial_stats(stats), distributed.partial_stats(input_stats)
         plan = make_plan(self._graph(dtype), stats, input_stats, backend=backend, amp=self._amp and not shard,
                          hist_range=self.hist_range)
-        kernel = codegen.load(*codegen.generate_with_spec(plan, device.type)) if backend == "triton" else None
-        return Compiled(plan, kernel)
+        if backend == "triton":
+            return Compiled(plan, codegen.load(*codegen.generate_with_spec(plan, device.type)))
+        return Compiled(plan, eager.compile_body(plan.graph) if backend == "eager" else None)
 
     def _compiled_for_autograd(self, dtype: torch.dtype) -> Compiled:
         """The reference plan: eager torch ops, recorded by autograd when `.grad` requires grad."""
@@ -402,7 +404,8 @@ class GradHook:
                 added.append(entry)
                 entry.checked_shape = t.shape  # checked above
                 entry.bucket_bytes = bucket_bytes
-                torch_handle = t.register_post_accumulate_grad_hook(self._bucketed(entry) if bucket_bytes else self)
+                torch_handle = t.register_post_accumulate_grad_hook(self._bucketed(entry) if bucket_bytes
+                                                                    else self._at_firing(entry))
                 entry.torch_hook_id = torch_handle.id
                 handle._add(t, torch_handle, self.registry)
         except BaseException:
@@ -424,6 +427,13 @@ class GradHook:
         if self._amp:
             raise ValueError(f"{self.__name__}: scaler= is not supported on sharded (FSDP2) parameters ({name}): "
                              "unscale with torch's GradScaler (scaler.unscale_(optimizer)) instead")
+
+    def _at_firing(self, entry: Entry):
+        """The torch hook of a tensor registered by register() (bucket_mb=0): `hook(param)` for its entry."""
+        def fire(param: torch.Tensor) -> None:
+            if not self._paused:
+                self.fire(param, entry if entry.ref() is param else None)
+        return fire
 
     def _bucketed(self, entry: Entry):
         """The torch hook of a tensor registered with bucket_mb > 0."""

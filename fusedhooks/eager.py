@@ -108,11 +108,6 @@ def compile_body(graph: Graph):
     return body
 
 
-def evaluate(graph: Graph, grad: torch.Tensor, param: torch.Tensor | None, scalars: list[torch.Tensor]):
-    """The body's result as eager torch computes it, overwriting `grad` where it can (see compile_body)."""
-    return compile_body(graph)(grad, param, scalars)
-
-
 def _sum_of_squares(x: torch.Tensor, scratch: torch.Tensor) -> float:
     torch.mul(x, x, out=scratch)
     return scratch.sum().item()
@@ -171,17 +166,18 @@ def _stats_values(x: torch.Tensor, names: tuple[str, ...], hist_range, scratch) 
     return values
 
 
-def run(plan: Plan, grad: torch.Tensor, param: torch.Tensor | None, scalars: list[torch.Tensor],
+def run(plan: Plan, body, grad: torch.Tensor, param: torch.Tensor | None, scalars: list[torch.Tensor],
         stats_row: torch.Tensor | None, amp: tuple | None, scratch) -> None:
     """Apply `plan` to `grad` in place and write the statistics into `stats_row` (see the module docstring).
 
-    amp: (scale, found_inf): unscale first, exactly as GradScaler.unscale_ does; scratch: see tensor_stats."""
+    body: compile_body(plan.graph); amp: (scale, found_inf): unscale first, exactly as GradScaler.unscale_ does;
+    scratch: see tensor_stats."""
     if plan.amp:
         scale, found_inf = amp
         torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf, scale.double().reciprocal().float())
     values = _stats_values(grad, plan.input_stats, plan.hist_range, scratch) if plan.input_stats else []
     if plan.graph.writes:
-        result = evaluate(plan.graph, grad, param, scalars)
+        result = body(grad, param, scalars)
         if result is not grad:
             grad.copy_(result)
     values = (_stats_values(grad, plan.stats, plan.hist_range, scratch) if plan.stats else []) + values

@@ -240,13 +240,14 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
          stats_row: torch.Tensor | None, workspace: Workspace, amp: tuple | None = None) -> None:
     """Apply `plan` to `grad` in place and record its statistics into `stats_row`; no host sync.
 
-    module: the generated kernels (None for the eager and reference backends); amp: (scale, found_inf) tensors
+    module: the generated kernels (triton), the compiled body (eager: eager.compile_body) or None (reference);
+    amp: (scale, found_inf) tensors
     when the hook unscales for a GradScaler. An empty gradient launches no kernel: its statistics
     (count 0, sum 0, mean NaN, ...) are written by the reference backend.
     """
     numel = grad.numel()
     if plan.backend == "eager" and numel:
-        eager.run(plan, grad, param, scalars, stats_row, amp, workspace.scratch)
+        eager.run(plan, module, grad, param, scalars, stats_row, amp, workspace.scratch)
         return
     if module is None or numel == 0:
         reference.run(plan, grad, param, scalars, stats_row, amp)

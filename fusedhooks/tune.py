@@ -86,7 +86,7 @@ def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: to
     bar = _progress(len(dtypes) * len(sizes) * len(configs), "fusedhooks tune")
     for dtype in dtypes:
         compiled = hook.compiled(dtype, device)
-        if compiled.kernel is None:
+        if compiled.plan.backend != "triton":
             raise RuntimeError(f"tuning needs the triton backend: CUDA, or TRITON_INTERPRET=1 on CPU ({device})")
         module, plan = compiled.kernel, compiled.plan
         workspace = runtime.Workspace(device)
