@@ -503,7 +503,7 @@ class GradHook:
         module = None
         if backend == "triton" and numel and runtime.tuning.cache_path().exists():  # a tuned BLOCK applies
             module = self.compiled(dtype, device).kernel
-        block = runtime.launch_config(numel, device.type, module, device)[0] if numel else None
+        block = runtime.launch_config(numel, device.type, module, device, dtype)[0] if numel else None
         return make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, numel, backend,
                          amp=self._amp, hist_range=self.hist_range, block=block)
 

@@ -93,7 +93,7 @@ def kernels(dtypes=("fp32", "bf16", "fp16", "fp64")):
                 module = codegen.load(*codegen.generate_with_spec(plan, "cuda"))
                 for name, signature in module.SIGNATURES.items():
                     yield (family + variant, dname, name, getattr(module, name), signature,
-                           {"ALIGNED": True, "BLOCK": runtime.DEFAULT_BLOCK, "RBLOCK": runtime.RBLOCK})
+                           {"ALIGNED": True, "BLOCK": runtime.default_block(dtype), "RBLOCK": runtime.RBLOCK})
     from .kernels import multi_tensor
     from .kernels.multi_tensor import TL_DTYPES
 
@@ -121,7 +121,7 @@ def build(target: str, dtypes=("fp32", "bf16", "fp16", "fp64"), num_warps: int |
     gpu = GPUTarget(backend, arch, warp)
     reports = []
     for family, dname, name, fn, signature, constexprs in kernels(dtypes):
-        warps = num_warps or default_num_warps(constexprs["BLOCK"])
+        warps = num_warps or default_num_warps(constexprs["BLOCK"], DTYPES[dname])
         report = KernelReport(family, dname, name, target, warps)
         # pointers 16-byte aligned, as Triton specialises an aligned tensor at launch
         attrs = {(i,): [["tt.divisibility", 16]] for i, (arg, t) in enumerate(signature.items()) if t.startswith("*")}

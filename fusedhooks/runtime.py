@@ -15,10 +15,17 @@ from .plan import Plan
 
 #: Partial-statistics rows the last program merges at a time.
 RBLOCK = 256
-#: Elements per program, for every gradient size and device. One BLOCK for all sizes makes a gradient's
-#: statistics bit-identical whether it is processed alone or in a bucket with others (same blocks, same
-#: reduction order). FUSEDHOOKS_BLOCK overrides it.
+#: Elements per program, for every gradient size and device (float64: half as many, see default_block). One BLOCK
+#: for all sizes makes a gradient's statistics bit-identical whether it is processed alone or in a bucket with
+#: others (same blocks, same reduction order). FUSEDHOOKS_BLOCK overrides it.
 DEFAULT_BLOCK = 4096
+
+
+def default_block(dtype: torch.dtype) -> int:
+    """The untuned BLOCK of `dtype` gradients: DEFAULT_BLOCK, a quarter of it for 8-byte types (on sm_90 the float64
+    kernels need up to 161 registers per thread at 4096 elements and 8 warps, and at 2048 two of them spill; at
+    1024 and 8 warps at most 64 registers, no spill)."""
+    return DEFAULT_BLOCK if dtype.itemsize <= 4 else DEFAULT_BLOCK // 4
 
 
 def interpreting() -> bool:
@@ -56,9 +63,10 @@ def choose_backend(device: torch.device, requested: str | None = None) -> str:
     return "eager" if device.type == "cpu" else "reference"
 
 
-def block_size(module=None, device: torch.device | None = None) -> int:
-    """Elements per program: FUSEDHOOKS_BLOCK (a power of two >= 16) if set, else the BLOCK tuned for these
-    kernels on this device (`python -m fusedhooks tune`), else DEFAULT_BLOCK. One BLOCK serves every size."""
+def block_size(module=None, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> int:
+    """Elements per program for `dtype` gradients: FUSEDHOOKS_BLOCK (a power of two >= 16) if set, else the BLOCK
+    tuned for these kernels on this device (`python -m fusedhooks tune`), else default_block(dtype). One BLOCK
+    serves every size."""
     override = os.environ.get("FUSEDHOOKS_BLOCK")
     if override:
         block = int(override)
@@ -66,25 +74,28 @@ def block_size(module=None, device: torch.device | None = None) -> int:
             raise ValueError(f"FUSEDHOOKS_BLOCK must be a power of two >= 16, not {override}")
         return block
     entry = tuning.lookup(module, device) if module is not None and device is not None else None
-    return entry["block"] if entry else DEFAULT_BLOCK
+    return entry["block"] if entry else default_block(dtype)
 
 
-def launch_config(numel: int, device_type: str, module=None, device: torch.device | None = None) -> tuple[int, int]:
-    """(BLOCK, grid) for a gradient of `numel` elements on `device_type` (module, device: see block_size)."""
-    block = block_size(module, device)
+def launch_config(numel: int, device_type: str, module=None, device: torch.device | None = None,
+                  dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """(BLOCK, grid) for a gradient of `numel` elements of `dtype` on `device_type` (module, device: see
+    block_size)."""
+    block = block_size(module, device, dtype)
     return block, -(-numel // block)
 
 
-def default_num_warps(block: int) -> int:
-    """Warps of a CUDA launch of `block` elements per program, unless tuned."""
-    return 8 if block >= 2048 else 4
+def default_num_warps(block: int, dtype: torch.dtype = torch.float32) -> int:
+    """Warps of a CUDA launch of `block` elements of `dtype` per program, unless tuned: 8 from 8 KiB of 4-byte (or
+    smaller) elements up, else 4."""
+    return 8 if block * max(dtype.itemsize, 4) >= 8192 else 4
 
 
-def launch_options(module, device: torch.device, numel: int, block: int) -> dict:
+def launch_options(module, device: torch.device, numel: int, block: int, dtype: torch.dtype = torch.float32) -> dict:
     """Compile options of a launch: tuned num_warps/num_stages for this size, else a heuristic."""
     options = {"enable_fp_fusion": False}
     if device.type == "cuda":
-        options["num_warps"] = default_num_warps(block)
+        options["num_warps"] = default_num_warps(block, dtype)
     entry = tuning.lookup(module, device)
     if entry:
         options.update(entry["sizes"].get(tuning.size_key(numel), {}))
@@ -218,18 +229,18 @@ def run_bound(bound: Bound, tensors: dict) -> None:
         launch(kernel, bound.grid, *args, fast=fast, **bound.meta)
 
 
-def kernel_meta(module, device: torch.device, numel: int, block: int, hint: bool) -> dict:
-    """The constexprs and compile options of a launch of `module`'s kernels on `numel` elements."""
-    return {"ALIGNED": hint, "BLOCK": block, "RBLOCK": RBLOCK, **launch_options(module, device, numel, block)}
+def kernel_meta(module, device: torch.device, numel: int, block: int, hint: bool, dtype: torch.dtype) -> dict:
+    """The constexprs and compile options of a launch of `module`'s kernels on `numel` elements of `dtype`."""
+    return {"ALIGNED": hint, "BLOCK": block, "RBLOCK": RBLOCK, **launch_options(module, device, numel, block, dtype)}
 
 
-def bind_single(module, numel: int, hint: bool, device: torch.device, workspace: Workspace,
+def bind_single(module, numel: int, hint: bool, device: torch.device, dtype: torch.dtype, workspace: Workspace,
                 scalars: list[torch.Tensor], config: dict | None = None) -> Bound:
-    """The Bound of `module`'s single-gradient kernels for a gradient of `numel` elements; config: a launch
-    configuration ({"block", "num_warps", "num_stages"}) instead of the runtime's (tune tries them)."""
-    block = config["block"] if config else block_size(module, device)
+    """The Bound of `module`'s single-gradient kernels for a gradient of `numel` elements of `dtype`; config: a
+    launch configuration ({"block", "num_warps", "num_stages"}) instead of the runtime's (tune tries them)."""
+    block = config["block"] if config else block_size(module, device, dtype)
     grid = -(-numel // block)
-    meta = kernel_meta(module, device, numel, block, hint)
+    meta = kernel_meta(module, device, numel, block, hint, dtype)
     if config:
         meta.update(num_warps=config["num_warps"], num_stages=config["num_stages"])
     values = {"numel": numel, "partial_values": module.SPEC.partial_values(grid)}
@@ -267,7 +278,8 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
     if bound is None:
         if len(workspace.bound) > 256:  # sizes keep changing: keep the cache small
             workspace.bound.clear()
-        bound = workspace.bound[key] = bind_single(module, numel, hint, grad.device, workspace, scalars)
+        bound = workspace.bound[key] = bind_single(module, numel, hint, grad.device, grad.dtype, workspace,
+                                                               scalars)
     tensors = {"grad": work, "param": pspan, "stats": stats_row}
     if amp is not None:
         tensors["scale"], tensors["found_inf"] = amp
@@ -359,14 +371,15 @@ def fire_bucket(plan: Plan, module, items: list[tuple[torch.Tensor, torch.Tensor
     if table is None:
         if len(workspace.tables) > 64:  # bucket layouts keep changing: keep the cache small
             workspace.tables.clear()
-        table = workspace.tables[key] = bucket_table(module.SPEC, numels, rows, block_size(module, device), device)
+        table = workspace.tables[key] = bucket_table(module.SPEC, numels, rows,
+                                                            block_size(module, device, grads[0].dtype), device)
     table.point_to(addresses)
     elsize = grads[0].element_size()
     hint = all(a % 16 == 0 for a in addresses) and all(n * elsize % 16 == 0 for n in numels)
     bound = table.bound.get(hint)
     if bound is None:
-        block = block_size(module, device)
-        meta = kernel_meta(module, device, sum(numels), block, hint)
+        block = block_size(module, device, grads[0].dtype)
+        meta = kernel_meta(module, device, sum(numels), block, hint, grads[0].dtype)
         values = {"table": table.table, "n_tensors": table.n_tensors, "partial_values": table.partial_values}
         bound = table.bound[hint] = bind(module, True, table.n_programs, workspace, scalars, values, meta)
     tensors = {"stats": stats}

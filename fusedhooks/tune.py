@@ -123,8 +123,8 @@ def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: to
 def _trial(plan, module, grad, param, scalars, stats, workspace, config: dict):
     """One firing of the single-gradient kernels with the launch configuration `config`, bound once."""
     param = param if plan.graph.uses_param else None
-    bound = runtime.bind_single(module, grad.numel(), runtime.aligned(grad, param), grad.device, workspace,
-                                scalars, config)
+    bound = runtime.bind_single(module, grad.numel(), runtime.aligned(grad, param), grad.device, grad.dtype,
+                                workspace, scalars, config)
     tensors = {"grad": grad, "param": param, "stats": stats}
     if plan.amp:
         tensors["scale"], tensors["found_inf"] = _amp_for_tuning(plan, grad.device)
