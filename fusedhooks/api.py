@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codegen, distributed, eager, runtime
+from . import codegen, distributed, eager, gates, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
@@ -331,7 +331,8 @@ class GradHook:
 
     # --- registration -----------------------------------------------------------------------------
 
-    def register(self, target, name: str | None = None, bucket_mb: float | None = None) -> RegistrationHandle:
+    def register(self, target, name: str | None = None, bucket_mb: float | None = None,
+                 accumulation_steps: int | None = None, when=None) -> RegistrationHandle:
         """Fire on the gradient of `target` after each accumulation.
 
         target: a leaf Tensor that requires grad (keyed by `name`, or "param<i>"), an nn.Module (every
@@ -349,6 +350,11 @@ class GradHook:
         node hooks (DDP's reducer, for one) cannot be seen from Python and do see the unprocessed gradient.
         A single tensor is never bucketed.
 
+        Gradient accumulation: accumulation_steps=n processes the gradients in the n-th, 2n-th, ... backward in
+        which the registration fires (the last micro-batch of every n, on the accumulated gradient) and does
+        nothing in the others; when=fn (a function of no arguments) processes them in the backwards where
+        `fn()`, called at the firing, is true (a training framework's "this micro-batch steps").
+
         Distributed: `register(ddp_model)` (a DistributedDataParallel) processes the averaged gradient, through
         DDP's communication hook, keyed by `ddp_model.module`'s parameter names. Registered on a module (or
         tensors) of a process group of several ranks otherwise, the hook processes each rank's own gradient
@@ -356,12 +362,18 @@ class GradHook:
         each rank's shard is processed in place; statistics are those of the whole parameter. See README,
         "Distributed training".
         """
+        when = gates.parse(accumulation_steps, when)
         if distributed.is_ddp(target):
+            if when is not None:
+                raise ValueError("register(ddp_model) takes no accumulation_steps= or when=: run the micro-batches "
+                                 "that do not step under ddp_model.no_sync(); DDP then communicates, and the hook "
+                                 "runs, only in the synchronising backward, on the accumulated average")
             return distributed.register_ddp(self, target, name, bucket_mb)
         bucket_bytes = _parse_bucket_mb(bucket_mb) if not isinstance(target, torch.Tensor) else 0
         pairs = list(self._targets(target, name))
         self._check_targets(pairs)
         handle = RegistrationHandle(self)
+        handle.when = when
         self._register_pairs(pairs, bucket_bytes, handle)
         if isinstance(target, torch.nn.Module):
             distributed.follow_parameters(self, target, name, bucket_bytes, handle)
@@ -404,8 +416,10 @@ class GradHook:
                 added.append(entry)
                 entry.checked_shape = t.shape  # checked above
                 entry.bucket_bytes = bucket_bytes
-                torch_handle = t.register_post_accumulate_grad_hook(self._bucketed(entry) if bucket_bytes
-                                                                    else self._at_firing(entry))
+                fire = self._bucketed(entry) if bucket_bytes else self._at_firing(entry)
+                if handle.when is not None:
+                    fire = gates.gated(fire, handle.when)
+                torch_handle = t.register_post_accumulate_grad_hook(fire)
                 entry.torch_hook_id = torch_handle.id
                 handle._add(t, torch_handle, self.registry)
         except BaseException:
@@ -573,6 +587,7 @@ class RegistrationHandle:
         self.hook = hook
         self._items: list[tuple[weakref.ref, object, Registry | None]] = []
         self._on_remove: list = []
+        self.when = None  # register()'s gate (accumulation_steps=, when=): None processes every firing
 
     def _add(self, t: torch.Tensor, torch_handle, registry: Registry | None = None) -> None:
         """Track a torch hook handle on `t`; `registry`: where `t` is registered, forgotten at remove()."""

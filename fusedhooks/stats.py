@@ -117,6 +117,17 @@ class HookStats:
                 out[name] = entry
         return out
 
+    def to_scalars(self, prefix: str = "grad/") -> dict[str, float | int]:
+        """The statistics as one flat dict of numbers, for loggers (TensorBoard, W&B, Trainer's logs); one sync.
+
+        Keys `f"{prefix}{parameter}/{statistic}"` (`"grad/fc.weight/norm"`, `"grad/fc.weight/input.norm"`), in
+        read()'s order; counts are ints, the rest floats. Only rows written by the most recent backward in which
+        the hook fired (`read().stale` are left out, so that a frozen parameter's old values are not logged
+        again as new); histograms are left out (`histogram()` gives them)."""
+        return {f"{prefix}{name}/{stat}": value
+                for name, row in self.read().items() if row.fresh
+                for stat, value in row.items() if not stat.endswith("hist")}
+
     def histogram(self, name: str, input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(counts, edges) of parameter `name`'s "hist" (of the input gradient if `input`); one sync.
 

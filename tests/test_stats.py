@@ -136,3 +136,21 @@ def test_var_std_of_huge_and_tiny_finite_gradients_are_finite_and_exact(dtype, m
     got = hook.stats.read()["param0"]
     check_stats(got, grad, STAT_NAMES)
     assert got["var"] > 0 and got["std"] > 0 and got["nan"] == 0
+
+
+def test_to_scalars_is_read_flattened_without_histograms_or_stale_rows(backend):
+    hook = fh.grad_hook(lambda grad: grad * 2.0, stats=("norm", "nan", "hist"), input_stats=("max",),
+                        backend=backend)
+    weight = torch.nn.Parameter(torch.tensor([3.0, -4.0]))
+    frozen = torch.nn.Parameter(torch.tensor([1.0]))
+    hook.register([("fc.weight", weight), ("frozen", frozen)])
+    (weight.sum() * 1.0 + frozen.sum()).backward()
+    weight.grad = None
+    (weight * torch.tensor([1.5, -2.0])).sum().backward()  # frozen gets no gradient: its row is stale
+    assert hook.stats.to_scalars() == {"grad/fc.weight/norm": 5.0, "grad/fc.weight/nan": 0,
+                                       "grad/fc.weight/input.max": 1.5}
+    scalars = hook.stats.to_scalars(prefix="")
+    assert list(scalars) == ["fc.weight/norm", "fc.weight/nan", "fc.weight/input.max"]
+    assert isinstance(scalars["fc.weight/nan"], int) and isinstance(scalars["fc.weight/norm"], float)
+    hook.stats.reset()
+    assert hook.stats.to_scalars() == {}
