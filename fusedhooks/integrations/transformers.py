@@ -1,0 +1,114 @@
+"""Hugging Face Trainer: `FusedHooksCallback` registers a hook on the trained model, runs it once per optimizer
+step (on the accumulated gradient), clips by the global norm from the norms it recorded, and logs its statistics.
+
+Needs `transformers` and `accelerate` (`pip install fusedhooks[transformers]`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from accelerate.state import GradientState
+from transformers import TrainerCallback
+
+from ..api import GradHook
+from ..clip import clip_grad_norm_
+
+
+class FusedHooksCallback(TrainerCallback):
+    """Run `hook` inside `transformers.Trainer`.
+
+    - At `train()`'s start the hook is registered on the model Trainer trains (`register(model)`: each gradient
+      processed at its own firing), and removed at its end.
+    - Gradient accumulation: the hook runs only in the backward of the micro-batch that completes an accumulation
+      step (Trainer's own rule, which accelerate's `GradientState().sync_gradients` states for each micro-batch,
+      the epoch's last, shorter step included), so clipping and statistics see the accumulated gradient once.
+    - `max_grad_norm`: clips every gradient by their global norm with `fh.clip_grad_norm_` (from the norms the
+      hook recorded: the hook must record `"norm"`), where Trainer would clip, just before `optimizer.step()`; the
+      result equals Trainer's own clipping. Set Trainer's own `TrainingArguments(max_grad_norm=0)` (refused
+      otherwise: it would clip twice). Trainer then still computes the total norm it logs as `grad_norm`: one more
+      read of every gradient (accelerate's `clip_grad_norm_` with `max_norm=inf`). To save that read, override
+      `Trainer._get_grad_norm` to return `callback.clip_grad_norm().item()` (it clips there, once per step;
+      README, "Hugging Face Trainer").
+    - Logging: `hook.stats.to_scalars(prefix)` (`grad/<parameter>/<statistic>`), and `grad/total_norm` when it
+      clips, join Trainer's training logs (`trainer.state.log_history` and the `logs` passed to later callbacks'
+      `on_log`): at every training log (Trainer's `logging_steps`) when `log_every` is None, else every
+      `log_every` optimizer steps (Trainer then logs at those steps too). Trainer calls its `report_to`
+      callbacks (TensorBoard, W&B, ...) before user callbacks, so to have them log the statistics as well, put
+      this callback first: `trainer.callback_handler.callbacks.insert(0, callback)`.
+    Reading the statistics costs one device sync per log, none otherwise.
+
+    Single process only; under DDP the hook would see each rank's local gradient (fusedhooks warns).
+    """
+
+    def __init__(self, hook: GradHook, max_grad_norm: float | None = None, log_every: int | None = None,
+                 prefix: str = "grad/", norm_type: float = 2.0):
+        if not isinstance(hook, GradHook):
+            raise TypeError(f"FusedHooksCallback takes a fusedhooks hook (fh.grad_hook(...)), "
+                            f"not {type(hook).__name__}")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or \
+                    not 0 < max_grad_norm < math.inf:
+                raise ValueError(f"max_grad_norm= takes a finite number > 0 (None: no clipping), not {max_grad_norm!r}")
+            if "norm" not in hook.stat_names:
+                raise ValueError("max_grad_norm= clips from the norms the hook records: create the hook with "
+                                 "\"norm\" among its stats (fh.grad_hook(..., stats=(\"norm\", ...)))")
+        if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+            raise ValueError(f"log_every= takes a number of optimizer steps >= 1 (None: Trainer's logging_steps), "
+                             f"not {log_every!r}")
+        self.hook, self.max_grad_norm, self.log_every = hook, max_grad_norm, log_every
+        self.prefix, self.norm_type = prefix, norm_type
+        self.total_norm = None  # the last global norm of fh.clip_grad_norm_ (0-dim tensor), before clipping
+        self._clipped = False  # in this optimizer step
+        self._handle = None
+        self._gradient_state = None
+
+    def _steps(self) -> bool:
+        """Does the running micro-batch complete an accumulation step? (called at each firing)"""
+        return self._gradient_state.sync_gradients
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.max_grad_norm is not None and args.max_grad_norm and args.max_grad_norm > 0:
+            raise ValueError(f"FusedHooksCallback(max_grad_norm={self.max_grad_norm}) clips the gradients, and "
+                             f"TrainingArguments(max_grad_norm={args.max_grad_norm}) would clip them again: set "
+                             "TrainingArguments(max_grad_norm=0)")
+        if self._handle is None:
+            self._gradient_state = GradientState()
+            self._handle = self.hook.register(model, when=self._steps)
+
+    def clip_grad_norm(self):
+        """Clip by max_grad_norm now, unless done already in this optimizer step; the total norm (0-dim tensor)."""
+        if self.max_grad_norm is None:
+            raise ValueError("this FusedHooksCallback does not clip: pass max_grad_norm=")
+        if not self._clipped:
+            self.total_norm = clip_grad_norm_(self.hook, self.max_grad_norm, norm_type=self.norm_type)
+            self._clipped = True
+        return self.total_norm
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.max_grad_norm is not None:
+            self.clip_grad_norm()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._clipped = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.log_every is not None and state.global_step % self.log_every == 0:
+            control.should_log = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        training = logs is not None and "loss" in logs
+        if not training or (self.log_every is not None and state.global_step % self.log_every):
+            return
+        scalars = self.hook.stats.to_scalars(self.prefix)
+        if self.total_norm is not None:
+            scalars[f"{self.prefix}total_norm"] = self.total_norm.item()
+        logs.update(scalars)
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and last.get("step") == state.global_step and "loss" in last:
+            last.update(scalars)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

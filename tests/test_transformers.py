@@ -1,0 +1,194 @@
+"""fusedhooks.integrations.transformers.FusedHooksCallback inside a real Hugging Face Trainer (tiny GPT-2, CPU):
+the same losses and parameters as Trainer's own clipping, statistics in Trainer's logs, one firing per step."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+import fusedhooks as fh
+from fusedhooks.integrations.transformers import FusedHooksCallback
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (n, 16), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _model():
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    return GPT2LMHeadModel(config)
+
+
+def _train(tmp_path, max_grad_norm, accumulation, callbacks=(), samples=20, epochs=1, max_steps=5, log_every=1):
+    model = _model()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=max_steps,
+                             num_train_epochs=epochs, gradient_accumulation_steps=accumulation, learning_rate=1.0,
+                             optim="sgd", lr_scheduler_type="constant", max_grad_norm=max_grad_norm,
+                             logging_steps=log_every, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                             data_seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(samples), callbacks=list(callbacks))
+    trainer.train()
+    return trainer, model
+
+
+def _losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+class CountFirings(TrainerCallback):
+    """Counts the hook's firings per micro-batch (a hook registered after it, on the same tensors)."""
+
+    def __init__(self, hook):
+        self.hook, self.firings = hook, []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        param = next(model.parameters())
+        param.register_post_accumulate_grad_hook(lambda p: self.firings.append(self.hook.stats.tensor.sum().item()))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_clipping_equals_trainers_own(tmp_path, accumulation):
+    reference, reference_model = _train(tmp_path / "ref", 1.0, accumulation)
+    hook = fh.grad_hook(stats=("norm", "max", "nan"))
+    callback = FusedHooksCallback(hook, max_grad_norm=1.0)
+    trainer, model = _train(tmp_path / "fh", 0.0, accumulation, [callback])
+    # The total norm is Trainer's to the last ulp (float32): fusedhooks' per-parameter norms are correctly rounded
+    # from float64 sums, torch's foreach norms accumulate in float32, so a norm may differ in its last bit; the
+    # coefficient, the parameters and the losses then differ by as much.
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    reference_logged = [e for e in reference.state.log_history if "loss" in e]
+    assert len(logged) == 5
+    for entry, ref in zip(logged, reference_logged):
+        ulp = torch.finfo(torch.float32).eps * ref["grad_norm"]
+        assert abs(entry["grad/total_norm"] - ref["grad_norm"]) <= ulp
+        assert entry["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
+    for entry in logged:
+        assert entry["grad/transformer.h.0.attn.c_attn.weight/nan"] == 0
+        assert set(k for k in entry if k.startswith("grad/")) == \
+            {"grad/total_norm"} | {f"grad/{n}/{s}" for n, _ in model.named_parameters() for s in ("norm", "max", "nan")}
+    assert callback._handle is None and len(hook.registry) == 0  # removed at the end of train()
+
+
+def test_statistics_are_those_of_the_accumulated_gradient(tmp_path):
+    """Logged statistics equal torch's of the final accumulated gradient, measured by a later eager hook."""
+    hook = fh.grad_hook(stats=("norm", "sum"))
+    seen = {}
+
+    class Measure(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            seen[state.global_step + 1] = {n: (p.grad.double().norm().item(), p.grad.double().sum().item())
+                                           for n, p in model.named_parameters()}
+
+    trainer, model = _train(tmp_path, 0.0, 2, [FusedHooksCallback(hook), Measure()], max_steps=3)
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["step"] for e in logged] == [1, 2, 3]
+    for entry in logged:
+        for name, (norm, total) in seen[entry["step"]].items():
+            assert entry[f"grad/{name}/norm"] == pytest.approx(norm, rel=1e-5)
+            assert entry[f"grad/{name}/sum"] == pytest.approx(total, rel=1e-4, abs=1e-6 * norm)
+
+
+def test_hook_fires_once_per_optimizer_step_with_an_uneven_last_step(tmp_path):
+    """3 micro-batches per epoch with accumulation 2: steps of 2 and 1 micro-batches; the hook processes the
+    last micro-batch of each (clipping shows in the gradient: it records every firing's max)."""
+    firings = []
+    hook = fh.grad_hook(lambda grad: grad.clamp(-2.0 ** -10, 2.0 ** -10), stats=("max",))
+    original = hook.process
+
+    def counted(entry, grad, param, key):
+        firings.append(entry.name)
+        original(entry, grad, param, key)
+
+    hook.process = counted
+    grads_at_step = []
+
+    class Check(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads_at_step.append(max(p.grad.abs().max().item() for p in model.parameters()))
+
+    trainer, model = _train(tmp_path, 0.0, 2, [FusedHooksCallback(hook), Check()], samples=6, epochs=2, max_steps=-1)
+    n_params = len(list(model.parameters()))
+    assert trainer.state.global_step == 4
+    assert len(firings) == 4 * n_params
+    assert len(grads_at_step) == 4 and all(g <= 2.0 ** -10 for g in grads_at_step)
+
+
+def test_log_every_logs_on_its_own_steps(tmp_path):
+    hook = fh.grad_hook(stats=("norm",))
+    trainer, _ = _train(tmp_path, 0.0, 1, [FusedHooksCallback(hook, log_every=2)], log_every=5)
+    with_stats = [e["step"] for e in trainer.state.log_history if "grad/transformer.wte.weight/norm" in e]
+    assert with_stats == [2, 4]
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [2, 4, 5]
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(ValueError, match='"norm" among its stats'):
+        FusedHooksCallback(fh.grad_hook(stats=("max",)), max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="max_grad_norm= takes a finite number"):
+        FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=0)
+    with pytest.raises(ValueError, match="log_every= takes"):
+        FusedHooksCallback(fh.grad_hook(stats=("norm",)), log_every=0)
+    with pytest.raises(TypeError, match="fusedhooks hook"):
+        FusedHooksCallback(lambda g: g)
+    with pytest.raises(ValueError, match="set TrainingArguments\\(max_grad_norm=0\\)"):
+        _train(tmp_path, 1.0, 1, [FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)])
+
+
+def test_report_to_callbacks_see_the_statistics_when_it_runs_first(tmp_path, monkeypatch):
+    """Trainer calls its report_to callbacks before user callbacks; inserted first, the callback's statistics
+    reach them (here report_to=["tensorboard"], read back with TensorBoard's own event reader)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=1.0,
+                             optim="sgd", max_grad_norm=0.0, logging_steps=1, report_to=["tensorboard"],
+                             save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+    trainer = Trainer(model=_model(), args=args, train_dataset=TokenDataset(8))
+    callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    trainer.train()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "train/grad/transformer.wte.weight/norm" in tags and "train/grad/total_norm" in tags
+    logged = [e["grad/total_norm"] for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 2
+    assert [e.value for e in acc.Scalars("train/grad/total_norm")] == [pytest.approx(v, rel=1e-6) for v in logged]
+
+
+def test_trainer_subclass_reads_no_gradient_for_its_grad_norm_log(tmp_path):
+    """README's recipe: Trainer._get_grad_norm clips through the callback and returns its total norm, so Trainer's
+    grad_norm log costs no extra read of the gradients (accelerate's clip_grad_norm_ is never called)."""
+    callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)
+
+    class FusedHooksTrainer(Trainer):
+        def _get_grad_norm(self, model, grad_norm=None):
+            return callback.clip_grad_norm().item()
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=1.0,
+                             optim="sgd", max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
+                             use_cpu=True, seed=0, disable_tqdm=True)
+    trainer = FusedHooksTrainer(model=_model(), args=args, train_dataset=TokenDataset(20), callbacks=[callback])
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("Trainer read the gradients again")
+
+    trainer.accelerator.clip_grad_norm_ = no_read
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 2 and all(e["grad_norm"] == e["grad/total_norm"] for e in logged)
+    reference, _ = _train(tmp_path / "ref", 1.0, 1, max_steps=2)
+    assert [e["grad_norm"] for e in logged] == \
+        [pytest.approx(e["grad_norm"], rel=1.2e-7) for e in reference.state.log_history if "loss" in e]
+    with pytest.raises(ValueError, match="does not clip"):
+        FusedHooksCallback(fh.grad_hook(stats=("norm",))).clip_grad_norm()
