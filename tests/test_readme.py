@@ -12,3 +12,23 @@ def test_quick_start_runs():
     exec(compile(code, "README quick start", "exec"), namespace)
     assert namespace["t"].grad.tolist() == [-2.0, 0.0, 2.0]
     assert namespace["handle"] is not None
+
+
+def _snippet(heading: str) -> str:
+    return re.search(rf"{re.escape(heading)}\n.*?```python\n(.*?)```", README.read_text(), re.S).group(1)
+
+
+def test_plain_loop_snippet_runs(capsys):
+    namespace = {}
+    exec(compile(_snippet("### Plain loops: gradient accumulation and loggers"), "README plain loops", "exec"),
+         namespace)
+    assert namespace["hook"].stats.to_scalars()["grad/0.weight/norm"] == namespace["scalars"]["grad/0.weight/norm"]
+    assert namespace["total"] > 0 and sorted(namespace["hook"].stats.read()) == ["0.bias", "0.weight", "2.bias",
+                                                                                "2.weight"]
+
+
+def test_trainer_snippet_runs():
+    namespace = {}
+    exec(compile(_snippet("### Hugging Face Trainer"), "README Trainer", "exec"), namespace)
+    first = namespace["first"]
+    assert first["grad/total_norm"] > 0 and first["grad/transformer.wte.weight/nan"] == 0
