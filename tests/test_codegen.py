@@ -73,11 +73,14 @@ def test_one_launch_for_body_and_statistics(monkeypatch):
 
 
 def test_importing_fusedhooks_does_not_import_triton():
-    """TRITON_INTERPRET is read when triton is imported: `python -m fusedhooks demo` sets it after import."""
+    """TRITON_INTERPRET is read when triton is imported: `python -m fusedhooks demo` sets it after import. Nor does
+    it import an integration's framework (each is imported by its own `fusedhooks.integrations.<name>` module)."""
     import subprocess
     import sys
 
-    code = "import sys, fusedhooks; assert 'triton' not in sys.modules, 'fusedhooks imported triton'"
+    code = ("import sys, fusedhooks, fusedhooks.integrations\n"
+            "for name in ('triton', 'transformers', 'accelerate', 'lightning', 'tensorboard'):\n"
+            "    assert name not in sys.modules, f'importing fusedhooks imported {name}'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
