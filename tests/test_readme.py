@@ -32,3 +32,10 @@ def test_trainer_snippet_runs():
     exec(compile(_snippet("### Hugging Face Trainer"), "README Trainer", "exec"), namespace)
     first = namespace["first"]
     assert first["grad/total_norm"] > 0 and first["grad/transformer.wte.weight/nan"] == 0
+
+
+def test_lightning_snippet_runs():
+    namespace = {}
+    exec(compile(_snippet("### Lightning"), "README Lightning", "exec"), namespace)
+    metrics = namespace["trainer"].callback_metrics
+    assert metrics["grad/total_norm"] > 0 and metrics["grad/net.0.weight/absmax"] <= 1.0

@@ -1,0 +1,99 @@
+"""Lightning (`lightning.pytorch`): `FusedHooksCallback` registers a hook on the LightningModule, runs it once per
+optimizer step (on the accumulated gradient), clips by the global norm from the norms it recorded, and logs its
+statistics with `pl_module.log_dict`.
+
+Needs `lightning` (`pip install fusedhooks[lightning]`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from lightning.pytorch import Callback
+
+from ..api import GradHook
+from ..clip import clip_grad_norm_
+
+
+class FusedHooksCallback(Callback):
+    """Run `hook` inside a `lightning.pytorch.Trainer`.
+
+    - At `fit()`'s start the hook is registered on the LightningModule (`register(pl_module)`: each gradient
+      processed at its own firing), and removed at its end.
+    - Gradient accumulation (`Trainer(accumulate_grad_batches=n)`): the hook runs only in the backward of the batch
+      after which Lightning steps the optimizer (Lightning's own rule: every n-th batch and the epoch's last one),
+      so clipping and statistics see the accumulated gradient once. With manual optimization
+      (`automatic_optimization = False`) it runs at every backward: pause it yourself (`hook.paused()`).
+    - `max_grad_norm`: clips every gradient by their global norm with `fh.clip_grad_norm_` (from the norms the
+      hook recorded: the hook must record `"norm"`) in `on_before_optimizer_step`, just before the point where
+      Lightning clips for `gradient_clip_val`; the result equals `Trainer(gradient_clip_val=max_grad_norm)`
+      (`gradient_clip_algorithm="norm"`). Leave Trainer's `gradient_clip_val` unset (refused: it would clip twice).
+    - Logging: `hook.stats.to_scalars(prefix)` (`grad/<parameter>/<statistic>`), and `grad/total_norm` when it
+      clips, through `pl_module.log_dict(on_step=True)` in `on_before_optimizer_step`: read on the steps where
+      Lightning writes to its loggers (`log_every_n_steps`) when `log_every` is None, else every `log_every`
+      optimizer steps (Lightning still writes its loggers at its own cadence, repeating the last values logged in
+      between, as for any value logged on some steps only). Reading the statistics costs one device sync per
+      logged step, none otherwise.
+    - Precision: 32-bit, 64-bit and `bf16-mixed`. `16-mixed` is refused: its GradScaler unscales the gradients only
+      after backward, so the hook would see scaled gradients (use bf16-mixed, or a hook with scaler= in a plain
+      loop). One process: under DDP the hook would see each rank's local gradient (fusedhooks warns).
+    """
+
+    def __init__(self, hook: GradHook, max_grad_norm: float | None = None, log_every: int | None = None,
+                 prefix: str = "grad/", norm_type: float = 2.0):
+        if not isinstance(hook, GradHook):
+            raise TypeError(f"FusedHooksCallback takes a fusedhooks hook (fh.grad_hook(...)), "
+                            f"not {type(hook).__name__}")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or \
+                    not 0 < max_grad_norm < math.inf:
+                raise ValueError(f"max_grad_norm= takes a finite number > 0 (None: no clipping), not {max_grad_norm!r}")
+            if "norm" not in hook.stat_names:
+                raise ValueError("max_grad_norm= clips from the norms the hook records: create the hook with "
+                                 "\"norm\" among its stats (fh.grad_hook(..., stats=(\"norm\", ...)))")
+        if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+            raise ValueError(f"log_every= takes a number of optimizer steps >= 1 (None: the Trainer's "
+                             f"log_every_n_steps), not {log_every!r}")
+        self.hook, self.max_grad_norm, self.log_every = hook, max_grad_norm, log_every
+        self.prefix, self.norm_type = prefix, norm_type
+        self.total_norm = None  # the last global norm of fh.clip_grad_norm_ (0-dim tensor), before clipping
+        self._handle = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.max_grad_norm is not None and trainer.gradient_clip_val:
+            raise ValueError(f"FusedHooksCallback(max_grad_norm={self.max_grad_norm}) clips the gradients, and "
+                             f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip them again: leave "
+                             "gradient_clip_val unset")
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise ValueError(f"FusedHooksCallback does not support precision={trainer.precision!r}: its GradScaler "
+                             "unscales the gradients after backward, so the hook would process scaled gradients; "
+                             "use precision='bf16-mixed' (no scaler) or 32-bit")
+        if self._handle is None:
+            epoch_loop = trainer.fit_loop.epoch_loop
+            steps = (lambda: not epoch_loop._should_accumulate()) if pl_module.automatic_optimization else None
+            self._handle = self.hook.register(pl_module, when=steps)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.max_grad_norm is not None:
+            self.total_norm = clip_grad_norm_(self.hook, self.max_grad_norm, norm_type=self.norm_type)
+        if self.log_every is None:
+            log = trainer._logger_connector.should_update_logs
+        else:
+            log = (trainer.global_step + 1) % self.log_every == 0
+        if log:
+            scalars = self.hook.stats.to_scalars(self.prefix)
+            if self.total_norm is not None:
+                scalars[f"{self.prefix}total_norm"] = self.total_norm.item()
+            if scalars:
+                pl_module.log_dict(scalars, on_step=True, on_epoch=False)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._remove()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

@@ -1,0 +1,133 @@
+"""fusedhooks.integrations.lightning.FusedHooksCallback inside a real Lightning Trainer (CPU): the same losses and
+parameters as Lightning's own gradient_clip_val, statistics in the logged metrics, one firing per optimizer step."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import fusedhooks as fh
+from fusedhooks.integrations.lightning import FusedHooksCallback
+
+
+class Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        self.losses = []
+        self.grads_at_step = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):  # runs after the callbacks' hook of the same name
+        self.grads_at_step.append({n: p.grad.clone() for n, p in self.named_parameters()})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _loader(batches: int):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batches * 4, 6, generator=g) * 4
+    y = torch.randn(batches * 4, 2, generator=g) * 4
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+
+def _fit(tmp_path, callbacks=(), batches=5, epochs=1, **trainer_args):
+    module = Regression()
+    trainer = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=epochs, accelerator="cpu", devices=1,
+                         callbacks=list(callbacks), enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, logger=False, **trainer_args)
+    trainer.fit(module, _loader(batches))
+    return trainer, module
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_clipping_equals_gradient_clip_val(tmp_path, accumulate):
+    """5 batches: with accumulate_grad_batches=2 the epoch's last step has one batch (Lightning steps on it)."""
+    _, reference = _fit(tmp_path / "ref", gradient_clip_val=1.0, accumulate_grad_batches=accumulate)
+    hook = fh.grad_hook(stats=("norm", "absmax"))
+    callback = FusedHooksCallback(hook, max_grad_norm=1.0)
+    trainer, module = _fit(tmp_path / "fh", [callback], accumulate_grad_batches=accumulate, log_every_n_steps=1)
+    assert len(module.grads_at_step) == len(reference.grads_at_step) == (5 if accumulate == 1 else 3)
+    assert module.losses == pytest.approx(reference.losses, rel=1e-6)
+    for p, q in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+    # the module's on_before_optimizer_step runs after ours (clipped) and before Lightning's own clipping
+    clipped = 0
+    for ours, theirs in zip(module.grads_at_step, reference.grads_at_step):
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in theirs.values()]))
+        coef = torch.clamp(1.0 / (total + 1e-6), max=1.0)
+        clipped += bool(coef < 1)
+        for name in ours:
+            torch.testing.assert_close(ours[name], theirs[name] * coef, rtol=1e-5, atol=1e-7)
+    assert clipped >= 2  # clipping shows
+    metrics = trainer.callback_metrics  # the last step's statistics: of the accumulated gradient, before clipping
+    for name, grad in reference.grads_at_step[-1].items():
+        assert metrics[f"grad/{name}/absmax"].item() == pytest.approx(grad.abs().max().item(), rel=1e-6)
+        assert metrics[f"grad/{name}/norm"].item() == pytest.approx(grad.double().norm().item(), rel=1e-5)
+    assert metrics["grad/total_norm"].item() == pytest.approx(callback.total_norm.item(), rel=1e-6)
+    assert callback._handle is None and len(hook.registry) == 0  # removed at the end of fit()
+
+
+def test_hook_runs_once_per_optimizer_step(tmp_path):
+    """Uneven accumulation (3 batches per epoch, accumulate 2, 2 epochs): 4 optimizer steps, 4 firings per
+    parameter, each on the accumulated gradient (the clamp shows in the gradient the optimizer steps with)."""
+    firings = []
+    hook = fh.grad_hook(lambda grad: grad.clamp(-2.0 ** -6, 2.0 ** -6), stats=("max",))
+    original = hook.process
+
+    def counted(entry, grad, param, key):
+        firings.append(entry.name)
+        original(entry, grad, param, key)
+
+    hook.process = counted
+    _, module = _fit(tmp_path, [FusedHooksCallback(hook)], batches=3, epochs=2, accumulate_grad_batches=2)
+    n_params = len(list(module.parameters()))
+    assert len(module.grads_at_step) == 4
+    assert len(firings) == 4 * n_params
+    for grads in module.grads_at_step:
+        assert all(g.abs().max() <= 2.0 ** -6 for g in grads.values())
+
+
+@pytest.mark.parametrize("log_every, expected_steps, fresh", [(2, [1, 2, 3, 4, 5], [1, 3, 5]), (None, [2, 5], [2, 5])])
+def test_statistics_reach_the_logger_on_their_steps(tmp_path, log_every, expected_steps, fresh):
+    """None: read at the Trainer's log_every_n_steps (3: logger rows 2 and 5 of 6 optimizer steps, counted from
+    0). log_every=2: read at optimizer steps 2, 4 and 6 (rows 1, 3 and 5); Lightning writes its loggers at its own
+    cadence (every step here), repeating the last values logged in between."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    hook = fh.grad_hook(stats=("norm",))
+    module = Regression()
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=1, accelerator="cpu", devices=1,
+                         callbacks=[FusedHooksCallback(hook, log_every=log_every)], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, logger=logger,
+                         log_every_n_steps=1 if log_every else 3)
+    trainer.fit(module, _loader(6))
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("grad/net.0.weight/norm")]
+    assert [int(r["step"]) for r in rows] == expected_steps
+    changed = [int(r["step"]) for i, r in enumerate(rows)
+               if i == 0 or r["grad/net.0.weight/norm"] != rows[i - 1]["grad/net.0.weight/norm"]]
+    assert changed == fresh
+    assert set(rows[0]) >= {f"grad/{n}/norm" for n, _ in module.named_parameters()}
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(ValueError, match='"norm" among its stats'):
+        FusedHooksCallback(fh.grad_hook(stats=("max",)), max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="max_grad_norm= takes a finite number"):
+        FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=float("inf"))
+    with pytest.raises(ValueError, match="log_every= takes"):
+        FusedHooksCallback(fh.grad_hook(stats=("norm",)), log_every=-1)
+    with pytest.raises(TypeError, match="fusedhooks hook"):
+        FusedHooksCallback(None)
+    with pytest.raises(ValueError, match="leave gradient_clip_val unset"):
+        _fit(tmp_path, [FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)], gradient_clip_val=1.0)
