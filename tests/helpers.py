@@ -67,3 +67,16 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -
         bound = rtol * (e.abs() + e.abs().mean())
         bad = (a - e).abs() > bound
         assert not bad.any(), f"{int(bad.sum())} values differ: {a[bad][:4].tolist()} vs {e[bad][:4].tolist()}"
+
+
+def record_processing(hook) -> list:
+    """The names of the parameters `hook` processes from now on, one per processing (a firing that the hook does
+    not skip), in order."""
+    processed, process = [], hook.process
+
+    def recorded(entry, grad, param, backward_key):
+        processed.append(entry.name)
+        process(entry, grad, param, backward_key)
+
+    hook.process = recorded
+    return processed

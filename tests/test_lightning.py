@@ -8,6 +8,8 @@ import torch
 import fusedhooks as fh
 from fusedhooks.integrations.lightning import FusedHooksCallback
 
+from helpers import record_processing
+
 
 class Regression(pl.LightningModule):
     def __init__(self):
@@ -77,15 +79,8 @@ def test_clipping_equals_gradient_clip_val(tmp_path, accumulate):
 def test_hook_runs_once_per_optimizer_step(tmp_path):
     """Uneven accumulation (3 batches per epoch, accumulate 2, 2 epochs): 4 optimizer steps, 4 firings per
     parameter, each on the accumulated gradient (the clamp shows in the gradient the optimizer steps with)."""
-    firings = []
     hook = fh.grad_hook(lambda grad: grad.clamp(-2.0 ** -6, 2.0 ** -6), stats=("max",))
-    original = hook.process
-
-    def counted(entry, grad, param, key):
-        firings.append(entry.name)
-        original(entry, grad, param, key)
-
-    hook.process = counted
+    firings = record_processing(hook)
     _, module = _fit(tmp_path, [FusedHooksCallback(hook)], batches=3, epochs=2, accumulate_grad_batches=2)
     n_params = len(list(module.parameters()))
     assert len(module.grads_at_step) == 4

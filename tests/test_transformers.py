@@ -8,6 +8,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 import fusedhooks as fh
 from fusedhooks.integrations.transformers import FusedHooksCallback
 
+from helpers import record_processing
+
 
 class TokenDataset(torch.utils.data.Dataset):
     def __init__(self, n: int):
@@ -101,15 +103,8 @@ def test_statistics_are_those_of_the_accumulated_gradient(tmp_path):
 def test_hook_fires_once_per_optimizer_step_with_an_uneven_last_step(tmp_path):
     """3 micro-batches per epoch with accumulation 2: steps of 2 and 1 micro-batches; the hook processes the
     last micro-batch of each (clipping shows in the gradient: it records every firing's max)."""
-    firings = []
     hook = fh.grad_hook(lambda grad: grad.clamp(-2.0 ** -10, 2.0 ** -10), stats=("max",))
-    original = hook.process
-
-    def counted(entry, grad, param, key):
-        firings.append(entry.name)
-        original(entry, grad, param, key)
-
-    hook.process = counted
+    firings = record_processing(hook)
     grads_at_step = []
 
     class Check(TrainerCallback):

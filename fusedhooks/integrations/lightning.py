@@ -7,15 +7,12 @@ Needs `lightning` (`pip install fusedhooks[lightning]`).
 
 from __future__ import annotations
 
-import math
-
 from lightning.pytorch import Callback
 
-from ..api import GradHook
-from ..clip import clip_grad_norm_
+from .common import StepCallbackBase
 
 
-class FusedHooksCallback(Callback):
+class FusedHooksCallback(StepCallbackBase, Callback):
     """Run `hook` inside a `lightning.pytorch.Trainer`.
 
     - At `fit()`'s start the hook is registered on the LightningModule (`register(pl_module)`: each gradient
@@ -39,25 +36,7 @@ class FusedHooksCallback(Callback):
       loop). One process: under DDP the hook would see each rank's local gradient (fusedhooks warns).
     """
 
-    def __init__(self, hook: GradHook, max_grad_norm: float | None = None, log_every: int | None = None,
-                 prefix: str = "grad/", norm_type: float = 2.0):
-        if not isinstance(hook, GradHook):
-            raise TypeError(f"FusedHooksCallback takes a fusedhooks hook (fh.grad_hook(...)), "
-                            f"not {type(hook).__name__}")
-        if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or \
-                    not 0 < max_grad_norm < math.inf:
-                raise ValueError(f"max_grad_norm= takes a finite number > 0 (None: no clipping), not {max_grad_norm!r}")
-            if "norm" not in hook.stat_names:
-                raise ValueError("max_grad_norm= clips from the norms the hook records: create the hook with "
-                                 "\"norm\" among its stats (fh.grad_hook(..., stats=(\"norm\", ...)))")
-        if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
-            raise ValueError(f"log_every= takes a number of optimizer steps >= 1 (None: the Trainer's "
-                             f"log_every_n_steps), not {log_every!r}")
-        self.hook, self.max_grad_norm, self.log_every = hook, max_grad_norm, log_every
-        self.prefix, self.norm_type = prefix, norm_type
-        self.total_norm = None  # the last global norm of fh.clip_grad_norm_ (0-dim tensor), before clipping
-        self._handle = None
+    default_cadence = "the Trainer's log_every_n_steps"
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.max_grad_norm is not None and trainer.gradient_clip_val:
@@ -75,25 +54,18 @@ class FusedHooksCallback(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.max_grad_norm is not None:
-            self.total_norm = clip_grad_norm_(self.hook, self.max_grad_norm, norm_type=self.norm_type)
+            self.clip()
         if self.log_every is None:
             log = trainer._logger_connector.should_update_logs
         else:
             log = (trainer.global_step + 1) % self.log_every == 0
         if log:
-            scalars = self.hook.stats.to_scalars(self.prefix)
-            if self.total_norm is not None:
-                scalars[f"{self.prefix}total_norm"] = self.total_norm.item()
+            scalars = self.scalars()
             if scalars:
                 pl_module.log_dict(scalars, on_step=True, on_epoch=False)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        self._remove()
+        self.remove()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._remove()
-
-    def _remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self.remove()

@@ -6,16 +6,13 @@ Needs `transformers` and `accelerate` (`pip install fusedhooks[transformers]`).
 
 from __future__ import annotations
 
-import math
-
 from accelerate.state import GradientState
 from transformers import TrainerCallback
 
-from ..api import GradHook
-from ..clip import clip_grad_norm_
+from .common import StepCallbackBase
 
 
-class FusedHooksCallback(TrainerCallback):
+class FusedHooksCallback(StepCallbackBase, TrainerCallback):
     """Run `hook` inside `transformers.Trainer`.
 
     - At `train()`'s start the hook is registered on the model Trainer trains (`register(model)`: each gradient
@@ -41,26 +38,12 @@ class FusedHooksCallback(TrainerCallback):
     Single process only; under DDP the hook would see each rank's local gradient (fusedhooks warns).
     """
 
-    def __init__(self, hook: GradHook, max_grad_norm: float | None = None, log_every: int | None = None,
+    default_cadence = "Trainer's logging_steps"
+
+    def __init__(self, hook, max_grad_norm: float | None = None, log_every: int | None = None,
                  prefix: str = "grad/", norm_type: float = 2.0):
-        if not isinstance(hook, GradHook):
-            raise TypeError(f"FusedHooksCallback takes a fusedhooks hook (fh.grad_hook(...)), "
-                            f"not {type(hook).__name__}")
-        if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or \
-                    not 0 < max_grad_norm < math.inf:
-                raise ValueError(f"max_grad_norm= takes a finite number > 0 (None: no clipping), not {max_grad_norm!r}")
-            if "norm" not in hook.stat_names:
-                raise ValueError("max_grad_norm= clips from the norms the hook records: create the hook with "
-                                 "\"norm\" among its stats (fh.grad_hook(..., stats=(\"norm\", ...)))")
-        if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
-            raise ValueError(f"log_every= takes a number of optimizer steps >= 1 (None: Trainer's logging_steps), "
-                             f"not {log_every!r}")
-        self.hook, self.max_grad_norm, self.log_every = hook, max_grad_norm, log_every
-        self.prefix, self.norm_type = prefix, norm_type
-        self.total_norm = None  # the last global norm of fh.clip_grad_norm_ (0-dim tensor), before clipping
+        super().__init__(hook, max_grad_norm, log_every, prefix, norm_type)
         self._clipped = False  # in this optimizer step
-        self._handle = None
         self._gradient_state = None
 
     def _steps(self) -> bool:
@@ -81,7 +64,7 @@ class FusedHooksCallback(TrainerCallback):
         if self.max_grad_norm is None:
             raise ValueError("this FusedHooksCallback does not clip: pass max_grad_norm=")
         if not self._clipped:
-            self.total_norm = clip_grad_norm_(self.hook, self.max_grad_norm, norm_type=self.norm_type)
+            self.clip()
             self._clipped = True
         return self.total_norm
 
@@ -100,15 +83,11 @@ class FusedHooksCallback(TrainerCallback):
         training = logs is not None and "loss" in logs
         if not training or (self.log_every is not None and state.global_step % self.log_every):
             return
-        scalars = self.hook.stats.to_scalars(self.prefix)
-        if self.total_norm is not None:
-            scalars[f"{self.prefix}total_norm"] = self.total_norm.item()
+        scalars = self.scalars()
         logs.update(scalars)
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and "loss" in last:
             last.update(scalars)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self.remove()

@@ -1,0 +1,54 @@
+"""What the training-framework callbacks share: their options, the global clip and the logged scalars."""
+
+from __future__ import annotations
+
+import math
+
+from ..api import GradHook
+from ..clip import clip_grad_norm_
+
+
+class StepCallbackBase:
+    """A hook run once per optimizer step by a framework's callback: `max_grad_norm` (clip by the global norm from
+    the norms the hook recorded), `log_every` (optimizer steps between logs; None: `default_cadence`, the
+    framework's own), `prefix` of the logged keys, `norm_type` of the clip."""
+
+    default_cadence = "the framework's logging steps"
+
+    def __init__(self, hook: GradHook, max_grad_norm: float | None = None, log_every: int | None = None,
+                 prefix: str = "grad/", norm_type: float = 2.0):
+        if not isinstance(hook, GradHook):
+            raise TypeError(f"FusedHooksCallback takes a fusedhooks hook (fh.grad_hook(...)), "
+                            f"not {type(hook).__name__}")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or \
+                    not 0 < max_grad_norm < math.inf:
+                raise ValueError(f"max_grad_norm= takes a finite number > 0 (None: no clipping), not {max_grad_norm!r}")
+            if "norm" not in hook.stat_names:
+                raise ValueError("max_grad_norm= clips from the norms the hook records: create the hook with "
+                                 "\"norm\" among its stats (fh.grad_hook(..., stats=(\"norm\", ...)))")
+        if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+            raise ValueError(f"log_every= takes a number of optimizer steps >= 1 (None: {self.default_cadence}), "
+                             f"not {log_every!r}")
+        self.hook, self.max_grad_norm, self.log_every = hook, max_grad_norm, log_every
+        self.prefix, self.norm_type = prefix, norm_type
+        self.total_norm = None  # the last global norm of fh.clip_grad_norm_ (0-dim tensor), before clipping
+        self._handle = None  # the hook's registration while training
+
+    def clip(self):
+        """fh.clip_grad_norm_ by max_grad_norm now; the total norm (0-dim tensor)."""
+        self.total_norm = clip_grad_norm_(self.hook, self.max_grad_norm, norm_type=self.norm_type)
+        return self.total_norm
+
+    def scalars(self) -> dict:
+        """The statistics to log (one sync): `hook.stats.to_scalars(prefix)`, and the total norm when it clips."""
+        scalars = self.hook.stats.to_scalars(self.prefix)
+        if self.total_norm is not None:
+            scalars[f"{self.prefix}total_norm"] = self.total_norm.item()
+        return scalars
+
+    def remove(self) -> None:
+        """Unregister the hook (at the end of training)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
