@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codegen, distributed, eager, gates, runtime
+from . import codegen, distributed, eager, gates, ops, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
@@ -138,7 +138,9 @@ class GradHook:
 
     def __call__(self, arg):
         if isinstance(arg, torch.Tensor):
-            if not self._paused:
+            if torch.compiler.is_compiling():
+                ops.fire_untraced(self, arg)
+            elif not self._paused:
                 self.fire(arg)
             return None
         if self.fn is None and callable(arg):
@@ -169,9 +171,11 @@ class GradHook:
             self._check_distributed(entry, backward_key)
         self.process(entry, grad, param, backward_key)
 
-    def process(self, entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
+    def process(self, entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int,
+                stats: torch.Tensor | None = None) -> None:
         """Apply the body to `grad` (param.grad, or DDP's averaged bucket view of it) in place and record its
-        statistics in `entry`'s row, as one firing of the backward `backward_key`."""
+        statistics in `entry`'s row, as one firing of the backward `backward_key`. stats: the statistics buffer
+        to write the row into, when not `self.stats.tensor` itself (torch.compile's alias of it, `ops.process`)."""
         self.stats.begin_firing(backward_key)
         if grad.requires_grad:
             compiled = self._compiled_for_autograd(grad.dtype)
@@ -180,7 +184,7 @@ class GradHook:
         if entry.checked_shape != grad.shape:
             self._check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
-        stats_row = self.stats.row(entry.row) if compiled.plan.slots else None
+        stats_row = self.stats.row(entry.row, stats) if compiled.plan.slots else None
         amp = self.amp_tensors(grad.device) if compiled.plan.amp else None
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
                      self._workspace_for(grad), amp)
@@ -443,16 +447,26 @@ class GradHook:
                              "unscale with torch's GradScaler (scaler.unscale_(optimizer)) instead")
 
     def _at_firing(self, entry: Entry):
-        """The torch hook of a tensor registered by register() (bucket_mb=0): `hook(param)` for its entry."""
+        """The torch hook of a tensor registered by register() (bucket_mb=0): `hook(param)` for its entry; while
+        torch.compile traces it, one `fusedhooks::process` op (see `ops`)."""
+        key = ops.token(self, entry)
+
         def fire(param: torch.Tensor) -> None:
-            if not self._paused:
+            if torch.compiler.is_compiling():
+                ops.fire_traced(self, key, param)
+            elif not self._paused:
                 self.fire(param, entry if entry.ref() is param else None)
         return fire
 
     def _bucketed(self, entry: Entry):
-        """The torch hook of a tensor registered with bucket_mb > 0."""
+        """The torch hook of a tensor registered with bucket_mb > 0; while torch.compile traces it, processed at
+        its firing by one `fusedhooks::process` op, as without buckets (see `ops`)."""
+        key = ops.token(self, entry)
+
         def enqueue(param: torch.Tensor) -> None:
-            if not self._paused:
+            if torch.compiler.is_compiling():
+                ops.fire_traced(self, key, param)
+            elif not self._paused:
                 self._buckets.enqueue(entry, param)
         return enqueue
 

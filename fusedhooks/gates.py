@@ -7,6 +7,8 @@ import weakref
 
 import torch
 
+from . import ops
+
 
 class _Running:
     """Queued as an end-of-backward callback: alive while its backward runs (a backward that raises drops its
@@ -72,8 +74,15 @@ def parse(accumulation_steps, when):
 
 
 def gated(fire, when):
-    """The torch hook that calls `fire(param)` only when `when()` is true."""
-    def hook(param: torch.Tensor) -> None:
+    """The torch hook that calls `fire(param)` only when `when()` is true; while torch.compile traces it, both
+    run outside the graph (a graph break: `when` is Python state of the training loop, read at each backward)."""
+    def run(param: torch.Tensor) -> None:
         if when():
             fire(param)
+
+    def hook(param: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            ops.outside_graph(run, param)
+        else:
+            run(param)
     return hook

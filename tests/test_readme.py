@@ -39,3 +39,9 @@ def test_lightning_snippet_runs():
     exec(compile(_snippet("### Lightning"), "README Lightning", "exec"), namespace)
     metrics = namespace["trainer"].callback_metrics
     assert metrics["grad/total_norm"] > 0 and metrics["grad/net.0.weight/absmax"] <= 1.0
+
+
+def test_compile_snippet_runs():
+    namespace = {}
+    exec(compile(_snippet("### torch.compile and compiled autograd"), "README compile", "exec"), namespace)
+    assert namespace["hook"].stats.read()["0.weight"]["nan"] == 0
