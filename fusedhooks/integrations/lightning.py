@@ -7,7 +7,9 @@ Needs `lightning` (`pip install fusedhooks[lightning]`).
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 
 from .common import StepCallbackBase
 
@@ -25,15 +27,21 @@ class FusedHooksCallback(StepCallbackBase, Callback):
       hook recorded: the hook must record `"norm"`) in `on_before_optimizer_step`, just before the point where
       Lightning clips for `gradient_clip_val`; the result equals `Trainer(gradient_clip_val=max_grad_norm)`
       (`gradient_clip_algorithm="norm"`). Leave Trainer's `gradient_clip_val` unset (refused: it would clip twice).
-    - Logging: `hook.stats.to_scalars(prefix)` (`grad/<parameter>/<statistic>`), and `grad/total_norm` when it
-      clips, through `pl_module.log_dict(on_step=True)` in `on_before_optimizer_step`: read on the steps where
-      Lightning writes to its loggers (`log_every_n_steps`) when `log_every` is None, else every `log_every`
-      optimizer steps (Lightning still writes its loggers at its own cadence, repeating the last values logged in
-      between, as for any value logged on some steps only). Reading the statistics costs one device sync per
-      logged step, none otherwise.
-    - Precision: 32-bit, 64-bit and `bf16-mixed`. `16-mixed` is refused: its GradScaler unscales the gradients only
-      after backward, so the hook would see scaled gradients (use bf16-mixed, or a hook with scaler= in a plain
-      loop). One process: under DDP the hook would see each rank's local gradient (fusedhooks warns).
+      The global norm counts every gradient the hook is registered on, Lightning's the optimizer's parameters: the
+      same set unless some parameters that require grad are in no optimizer (warned at `fit()`'s start).
+    - Logging: `hook.stats.to_scalars(prefix)` (`grad/<parameter>/<statistic>`: the gradient as the hook left it,
+      before the global clip), and `grad/total_norm` (before clipping) when it clips, through
+      `pl_module.log_dict(on_step=True)` in `on_before_optimizer_step`: read on the steps where Lightning writes to
+      its loggers (`log_every_n_steps`) when `log_every` is None, else every `log_every` optimizer steps (Lightning
+      still writes its loggers at its own cadence, repeating the last values logged in between, as for any value
+      logged on some steps only). Reading the statistics costs one device sync per logged step, none otherwise;
+      the values are logged as float64 CPU tensors, so Lightning neither copies them to the device nor reads them
+      back.
+    - Precision: `32-true`, `64-true`, `bf16-mixed`, `bf16-true` and `16-true` (the same results as
+      gradient_clip_val). `16-mixed` is refused: its GradScaler unscales the gradients only after backward, so the
+      hook would see scaled gradients (use bf16-mixed, or a hook with scaler= in a plain loop). Strategies that
+      accumulate gradients themselves (DeepSpeed) are refused. One process: under DDP the hook would see each
+      rank's local gradient (fusedhooks warns).
     """
 
     default_cadence = "the Trainer's log_every_n_steps"
@@ -47,6 +55,12 @@ class FusedHooksCallback(StepCallbackBase, Callback):
             raise ValueError(f"FusedHooksCallback does not support precision={trainer.precision!r}: its GradScaler "
                              "unscales the gradients after backward, so the hook would process scaled gradients; "
                              "use precision='bf16-mixed' (no scaler) or 32-bit")
+        if trainer.strategy.handles_gradient_accumulation:
+            raise ValueError(f"FusedHooksCallback does not support strategy {type(trainer.strategy).__name__}: it "
+                             "accumulates gradients itself, outside Lightning's loop, so the callback cannot tell "
+                             "which backward completes an optimizer step")
+        if self.max_grad_norm is not None and pl_module.automatic_optimization:
+            _warn_unoptimized(trainer, pl_module)
         if self._handle is None:
             epoch_loop = trainer.fit_loop.epoch_loop
             steps = (lambda: not epoch_loop._should_accumulate()) if pl_module.automatic_optimization else None
@@ -62,10 +76,23 @@ class FusedHooksCallback(StepCallbackBase, Callback):
         if log:
             scalars = self.scalars()
             if scalars:
-                pl_module.log_dict(scalars, on_step=True, on_epoch=False)
+                values = torch.tensor(list(scalars.values()), dtype=torch.float64).unbind()
+                pl_module.log_dict(dict(zip(scalars, values)), on_step=True, on_epoch=False)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self.remove()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.remove()
+
+
+def _warn_unoptimized(trainer, pl_module) -> None:
+    """Warn when parameters that require grad are in no optimizer: clipping counts their gradients in the global
+    norm, Lightning's gradient_clip_val does not."""
+    optimized = {id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]}
+    outside = [name for name, p in pl_module.named_parameters() if p.requires_grad and id(p) not in optimized]
+    if outside:
+        listed = ", ".join(outside[:5]) + (f" and {len(outside) - 5} more" if len(outside) > 5 else "")
+        rank_zero_warn(f"FusedHooksCallback(max_grad_norm=...) counts the gradients of {listed} in the global norm, "
+                       "but no optimizer updates them (Trainer's gradient_clip_val would leave them out): set "
+                       "requires_grad=False on them for the same clipping")
