@@ -39,8 +39,8 @@ def _loader(batches: int):
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
 
 
-def _fit(tmp_path, callbacks=(), batches=5, epochs=1, **trainer_args):
-    module = Regression()
+def _fit(tmp_path, callbacks=(), batches=5, epochs=1, module=None, **trainer_args):
+    module = Regression() if module is None else module
     trainer = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=epochs, accelerator="cpu", devices=1,
                          callbacks=list(callbacks), enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, logger=False, **trainer_args)
@@ -48,7 +48,7 @@ def _fit(tmp_path, callbacks=(), batches=5, epochs=1, **trainer_args):
     return trainer, module
 
 
-@pytest.mark.parametrize("accumulate, precision", [(1, "32-true"), (2, "32-true"), (2, "bf16-mixed")])
+@pytest.mark.parametrize("accumulate, precision", [(1, "32-true"), (2, "32-true"), (2, "bf16-mixed"), (2, "bf16-true")])
 def test_clipping_equals_gradient_clip_val(tmp_path, accumulate, precision):
     """5 batches: with accumulate_grad_batches=2 the epoch's last step has one batch (Lightning steps on it).
     Bit-identical whenever the recorded norms round to torch's fp32 norms; one of them can differ by an ulp."""
@@ -96,6 +96,28 @@ def test_hook_runs_once_per_optimizer_step(tmp_path):
     assert len(firings) == 4 * n_params
     for grads in module.grads_at_step:
         assert all(g.abs().max() <= 2.0 ** -6 for g in grads.values())
+
+
+class FailingRegression(Regression):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("stop")
+        return super().training_step(batch, batch_idx)
+
+
+def test_registered_once_per_fit_and_removed_after(tmp_path):
+    """Two fits of one Trainer: registered for each, once; a fit that raises leaves nothing registered either."""
+    hook = fh.grad_hook(stats=("norm",))
+    callback = FusedHooksCallback(hook)
+    firings = record_processing(hook)
+    trainer, module = _fit(tmp_path, [callback], batches=2)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module, _loader(2))
+    assert len(module.grads_at_step) == 4 and len(firings) == 4 * len(list(module.parameters()))
+    assert callback._handle is None and len(hook.registry) == 0
+    with pytest.raises(RuntimeError, match="stop"):
+        _fit(tmp_path, [callback], batches=2, module=FailingRegression())
+    assert callback._handle is None and len(hook.registry) == 0
 
 
 @pytest.mark.parametrize("log_every, expected_steps, fresh", [(2, [1, 2, 3, 4, 5], [1, 3, 5]), (None, [2, 5], [2, 5])])

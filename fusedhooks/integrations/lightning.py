@@ -18,7 +18,7 @@ class FusedHooksCallback(StepCallbackBase, Callback):
     """Run `hook` inside a `lightning.pytorch.Trainer`.
 
     - At `fit()`'s start the hook is registered on the LightningModule (`register(pl_module)`: each gradient
-      processed at its own firing), and removed at its end.
+      processed at its own firing), and removed at its end (also when it raises).
     - Gradient accumulation (`Trainer(accumulate_grad_batches=n)`): the hook runs only in the backward of the batch
       after which Lightning steps the optimizer (Lightning's own rule: every n-th batch and the epoch's last one),
       so clipping and statistics see the accumulated gradient once. With manual optimization
@@ -81,6 +81,9 @@ class FusedHooksCallback(StepCallbackBase, Callback):
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self.remove()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.remove()  # a fit() that raises calls neither on_fit_end nor teardown
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.remove()
