@@ -1,6 +1,7 @@
 """fusedhooks: PyTorch gradient hooks compiled into one fused, in-place Triton kernel per gradient."""
 
 from .adaptive import AdaptiveClip, adaptive_clip
+from .agc import UnitwiseClip, agc
 from .api import GradHook, RegistrationHandle, grad_hook
 from .clip import clip_grad_norm_
 from .distributed import LocalGradientWarning
@@ -11,5 +12,6 @@ from .trace import CompileError, supported_ops
 
 # Importing fusedhooks must not import triton (TRITON_INTERPRET is read when triton is first imported).
 __all__ = ["AdaptiveClip", "CompileError", "GradHook", "HookStats", "LocalGradientWarning", "Plan",
-           "RegistrationHandle", "STAT_NAMES", "adaptive_clip", "clip_grad_norm_", "grad_hook", "supported_ops"]
+           "RegistrationHandle", "STAT_NAMES", "UnitwiseClip", "adaptive_clip", "agc", "clip_grad_norm_", "grad_hook",
+           "supported_ops"]
 __version__ = "0.1.0"

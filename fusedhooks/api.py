@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import threading
 import warnings
 import weakref
@@ -20,6 +21,9 @@ from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
 from .registry import Entry, Registry
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
+
+#: the shape a body is first lowered for, at decoration
+REPRESENTATIVE_SHAPE = (3, 3, 3, 3, 3, 3)
 
 
 def _identity(grad):
@@ -117,7 +121,12 @@ class GradHook:
         if fn is not None and not callable(fn):
             raise TypeError(f"grad_hook takes a function, not {type(fn).__name__}")
         self._body: TracedBody = trace(fn if fn is not None else _identity)
-        lower(self._body, torch.float32)  # every "cannot compile" error surfaces now, at decoration
+        # every "cannot compile" error surfaces now, at decoration (of a body that reduces over dimensions: those
+        # that hold for a 6-d gradient; its fit to each parameter's shape is checked at register)
+        graph, _ = lower(self._body, torch.float32, REPRESENTATIVE_SHAPE)
+        #: the body reduces over some dimensions: it is lowered for each gradient shape (and runs as eager torch)
+        self.reduces_over_dims = graph.reduces_over_dims
+        self._dims_warned = False
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
         self.registry = Registry(self.stats)
         self._buckets = Buckets(self)
@@ -178,7 +187,7 @@ class GradHook:
         to write the row into, when not `self.stats.tensor` itself (torch.compile's alias of it, `ops.process`)."""
         self.stats.begin_firing(backward_key)
         if grad.requires_grad:
-            compiled = self._compiled_for_autograd(grad.dtype)
+            compiled = self._compiled_for_autograd(grad.dtype, grad.shape)
         else:
             compiled = self._compiled_for(grad)
         if entry.checked_shape != grad.shape:
@@ -255,60 +264,102 @@ class GradHook:
 
     # --- compiling --------------------------------------------------------------------------------
 
-    def _graph(self, dtype: torch.dtype) -> Graph:
-        graph = self._graphs.get(dtype)
+    def _graph(self, dtype: torch.dtype, shape: tuple | None = None) -> Graph:
+        """The body lowered for gradients of `dtype` (and `shape`, for a body that reduces over dimensions)."""
+        if not self.reduces_over_dims:
+            shape = None
+        elif shape is None:
+            raise ValueError(f"{self.__name__} reduces over dimensions: its plan depends on the gradient's shape; "
+                             "pass shape=")
+        key = dtype if shape is None else (dtype, tuple(shape))
+        graph = self._graphs.get(key)
         if graph is None:
-            graph, _ = lower(self._body, dtype)
-            self._graphs[dtype] = graph
+            body = self._body_for(shape)
+            graph, _ = lower(body, dtype) if shape is None else lower(body, dtype, tuple(shape))
+            self._graphs[key] = graph
         return graph
 
-    def compiled(self, dtype: torch.dtype, device: torch.device, shard: bool = False) -> Compiled:
+    def _body_for(self, shape: tuple | None) -> TracedBody:
+        """The traced body for gradients of `shape` (one body for every shape, except in subclasses whose body
+        depends on the gradient's rank, such as `fh.agc`)."""
+        return self._body
+
+    def compiled(self, dtype: torch.dtype, device: torch.device, shard: bool = False,
+                 shape: tuple | None = None) -> Compiled:
         """The plan and kernels for gradients of `dtype` on `device` (compiled on first use, then cached).
 
         shard: for one rank's shard of an FSDP2 gradient: the statistics recorded are the partials the ranks'
-        rows are merged from (`distributed.partial_stats`), not the hook's own."""
-        compiled = self._compiled.get((dtype, device, shard))
+        rows are merged from (`distributed.partial_stats`), not the hook's own. shape: the gradient's, for a
+        body that reduces over dimensions (ignored otherwise)."""
+        key = (dtype, device, shard, tuple(shape) if self.reduces_over_dims and shape is not None else None)
+        compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled
-        compiled = self._compile(dtype, device, shard)
-        self._compiled[(dtype, device, shard)] = compiled
+        compiled = self._compile(dtype, device, shard, key[3])
+        self._compiled[key] = compiled
         return compiled
 
     def _compiled_for(self, grad: torch.Tensor) -> Compiled:
         """`compiled` for a (plain, unsharded) gradient, found by its dtype and device index: the per-firing
         lookup (building the gradient's torch.device is dearer than the rest of it)."""
         key = (grad.dtype, grad.is_cuda, grad.get_device())
+        if self.reduces_over_dims:
+            key += (grad.shape,)
         compiled = self._compiled_by_index.get(key)
         if compiled is None:
-            compiled = self._compiled_by_index[key] = self.compiled(grad.dtype, grad.device)
+            compiled = self._compiled_by_index[key] = self.compiled(grad.dtype, grad.device, shape=grad.shape)
         return compiled
 
-    def _compile(self, dtype: torch.dtype, device: torch.device, shard: bool) -> Compiled:
+    def _compile(self, dtype: torch.dtype, device: torch.device, shard: bool, shape: tuple | None) -> Compiled:
         for i, s in enumerate(self._body.scalars):
             if s.device != device and not (device.type == "cpu" and s.device.type == "cpu"):
                 raise ValueError(f"{self.__name__}: closed-over tensor {i} is on {s.device} but the gradient is on "
                                  f"{device}; move it to {device} (the kernel reads it there, with no copy)")
-        backend = runtime.choose_backend(device, self.backend)
+        graph = self._graph(dtype, shape)
+        backend = self._backend_for(device, graph)
         stats, input_stats = self.stat_names, self.input_stat_names
         if shard:
             stats, input_stats = distributed.partial_stats(stats), distributed.partial_stats(input_stats)
-        plan = make_plan(self._graph(dtype), stats, input_stats, backend=backend, amp=self._amp and not shard,
+        plan = make_plan(graph, stats, input_stats, backend=backend, amp=self._amp and not shard,
                          hist_range=self.hist_range)
         if backend == "triton":
             return Compiled(plan, codegen.load(*codegen.generate_with_spec(plan, device.type)))
         return Compiled(plan, eager.compile_body(plan.graph) if backend == "eager" else None)
 
-    def _compiled_for_autograd(self, dtype: torch.dtype) -> Compiled:
+    def _backend_for(self, device: torch.device, graph: Graph) -> str:
+        """runtime.choose_backend, except that a body reducing over dimensions has no Triton kernels yet: with
+        backend "auto" it runs as eager torch ops (the reference backend; warned once), "triton" is refused."""
+        backend = runtime.choose_backend(device, self.backend)
+        if backend != "triton" or not graph.reduces_over_dims:
+            return backend
+        if (self.backend or os.environ.get("FUSEDHOOKS_BACKEND")) == "triton":
+            raise CompileError(f"{self.__name__} reduces over dimensions (dim=) or reshapes a value, which the "
+                               "Triton backend does not compile yet; use backend='reference' (eager torch ops, on "
+                               "any device) or, on CPU, backend='eager'")
+        if not self._dims_warned:
+            self._dims_warned = True
+            warnings.warn(f"fusedhooks: {self.__name__} reduces over dimensions (dim=), which is not compiled into "
+                          "Triton kernels yet: it runs as eager torch ops (backend='reference'), with the same "
+                          "results; pass backend='reference' to silence this warning", stacklevel=6)
+        return "reference"
+
+    def _compiled_for_autograd(self, dtype: torch.dtype, shape: tuple | None = None) -> Compiled:
         """The reference plan: eager torch ops, recorded by autograd when `.grad` requires grad."""
-        compiled = self._compiled.get((dtype, "autograd"))
+        key = (dtype, "autograd", tuple(shape) if self.reduces_over_dims else None)
+        compiled = self._compiled.get(key)
         if compiled is None:
-            plan = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, backend="reference",
+            plan = make_plan(self._graph(dtype, shape), self.stat_names, self.input_stat_names, backend="reference",
                              amp=self._amp, hist_range=self.hist_range)
-            compiled = self._compiled[(dtype, "autograd")] = Compiled(plan, None)
+            compiled = self._compiled[key] = Compiled(plan, None)
         return compiled
 
     def _check_shape(self, name: str, t: torch.Tensor) -> None:
-        _, result_shape = lower(self._body, t.dtype, tuple(t.shape))
+        try:
+            _, result_shape = lower(self._body_for(t.shape), t.dtype, tuple(t.shape))
+        except CompileError as e:
+            if not self.reduces_over_dims:
+                raise
+            raise CompileError(f"{self.__name__} does not fit {name} (shape {tuple(t.shape)}): {e}") from None
         if torch.broadcast_shapes(result_shape, t.shape) != t.shape:
             raise CompileError(f"{self.__name__}: the body's result has shape {result_shape}, which does not "
                                f"broadcast to the gradient of {name} (shape {tuple(t.shape)})")
@@ -402,8 +453,8 @@ class GradHook:
             names.add(pname)
             if distributed.is_dtensor(t):
                 self._check_sharded(pname, t)
-            self.compiled(t.dtype, t.device)
             self._check_shape(pname, t)
+            self.compiled(t.dtype, t.device, shape=t.shape)
             stats_device = self.stats.device or first_device
             if self.stats.slot_names and t.device != stats_device:
                 raise ValueError(f"{pname} is on {t.device} but this hook records statistics on "
@@ -436,7 +487,7 @@ class GradHook:
     def _check_sharded(self, name: str, t: torch.Tensor) -> None:
         """What a hook cannot do on an FSDP2-sharded (DTensor) parameter, refused with what to do instead."""
         distributed.shard_group(name, t)  # refuses placements other than one Shard(d) (+ Replicate)
-        if self._graph(t.dtype).reductions():
+        if self._graph(t.dtype, t.shape).reductions():
             raise CompileError(f"{self.__name__}: {name} is sharded (FSDP2, DTensor): each rank holds a part of its "
                                "gradient, and the body reduces over the whole tensor (norm, sum, amax, ...), which "
                                "would be computed per shard. Sharded parameters take elementwise bodies; their "
@@ -524,19 +575,29 @@ class GradHook:
 
     # --- introspection ----------------------------------------------------------------------------
 
-    def plan(self, numel: int | None = None, dtype: torch.dtype = torch.float32, device=None) -> Plan:
-        """The kernel plan for a gradient of `numel` elements and `dtype` (device: default CUDA if present)."""
+    def plan(self, numel: int | None = None, dtype: torch.dtype = torch.float32, device=None,
+             shape: tuple | None = None) -> Plan:
+        """The kernel plan for a gradient of `numel` elements (or of `shape`: needed by a body that reduces over
+        dimensions) and `dtype` (device: default CUDA if present)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if shape is not None:
+            numel = math.prod(shape)
+        graph = self._graph(dtype, shape)
         backend = runtime.choose_backend(device, self.backend)
+        if backend == "triton" and graph.reduces_over_dims:
+            backend = "reference"  # what such a body runs on (see _backend_for)
         module = None
         if backend == "triton" and numel and runtime.tuning.cache_path().exists():  # a tuned BLOCK applies
             module = self.compiled(dtype, device).kernel
         block = runtime.launch_config(numel, device.type, module, device, dtype)[0] if numel else None
-        return make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, numel, backend,
+        return make_plan(graph, self.stat_names, self.input_stat_names, numel, backend,
                          amp=self._amp, hist_range=self.hist_range, block=block)
 
     def source(self, dtype: torch.dtype = torch.float32, device_type: str = "cuda") -> str:
         """The generated Triton source for gradients of `dtype`."""
+        if self.reduces_over_dims:
+            raise CompileError(f"{self.__name__} reduces over dimensions: it runs as eager torch ops, not as a "
+                               "Triton kernel (not compiled yet)")
         plan = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, amp=self._amp,
                          hist_range=self.hist_range)
         return codegen.generate(plan, device_type)

@@ -73,6 +73,10 @@ def process_together(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torc
     pass for those that can share it, the others (empty, not dense, a shape not yet checked) one by one."""
     if not items:
         return
+    if hook.reduces_over_dims:  # a plan per gradient shape (not compiled into Triton kernels yet): one by one
+        for entry, grad, p in items:
+            hook.process(entry, grad, p, backward_key)
+        return
     device, dtype = items[0][1].device, items[0][1].dtype
     compiled = hook.compiled(dtype, device)
     plan, together = compiled.plan, []

@@ -82,19 +82,22 @@ SIGNATURES: dict[str, str] = {
     "zero": "input",
     "copy": "input, src",
     "to": "input, dtype",
-    # whole-tensor reductions (a 0-dim result, broadcast over the gradient where used)
-    "sum": "input",
-    "mean": "input",
-    "norm": "input, p='fro'",
-    "vector_norm": "input, ord=2",
-    "var": "input, unbiased=None, *, correction=None",
-    "std": "input, unbiased=None, *, correction=None",
-    "amax": "input",
-    "amin": "input",
+    # shapes (of values reduced over dimensions, to broadcast them back)
+    "unsqueeze": "input, dim",
+    # reductions: of the whole tensor (dim=None: a 0-dim result, broadcast over the gradient where used) or over
+    # dimensions (dim= an int or a tuple, keepdim=)
+    "sum": "input, dim=None, keepdim=False",
+    "mean": "input, dim=None, keepdim=False",
+    "norm": "input, p='fro', dim=None, keepdim=False",
+    "vector_norm": "input, ord=2, dim=None, keepdim=False",
+    "var": "input, dim=None, unbiased=None, keepdim=False, *, correction=None",
+    "std": "input, dim=None, unbiased=None, keepdim=False, *, correction=None",
+    "amax": "input, dim=None, keepdim=False",
+    "amin": "input, dim=None, keepdim=False",
     "max": "input, other=None",
     "min": "input, other=None",
-    "all": "input",
-    "any": "input",
+    "all": "input, dim=None, keepdim=False",
+    "any": "input, dim=None, keepdim=False",
 }
 
 #: ops that reduce the whole tensor (max/min only in their one-argument form)
@@ -104,6 +107,13 @@ REDUCTIONS = frozenset({"sum", "mean", "norm", "vector_norm", "var", "std", "ama
 
 def is_reduction(op: str, args: dict) -> bool:
     return op in REDUCTIONS and not (op in ("max", "min") and args.get("other") is not None)
+
+
+def reduces_over_dims(node: Node) -> bool:
+    """A reduction over some dimensions (dim=), or a shape op: a value shaped neither like the gradient nor 0-dim,
+    which only the eager and reference backends compute for now."""
+    return node.kind == "op" and (node.op == "unsqueeze" or (is_reduction(node.op, node.args)
+                                                             and node.args.get("dim") is not None))
 
 
 @dataclass(frozen=True)
@@ -154,8 +164,10 @@ NUMBER_ARGS = {
     "nan_to_num": ("nan", "posinf", "neginf"), "full_like": ("fill_value",), "fill": ("value",),
 }
 #: Arguments that are Python options (numbers, strings, bools), kept as they are.
-OPTION_ARGS = {"norm": ("p",), "vector_norm": ("ord",), "var": ("unbiased", "correction"),
-               "std": ("unbiased", "correction")}
+OPTION_ARGS = {"norm": ("p", "dim", "keepdim"), "vector_norm": ("ord", "dim", "keepdim"),
+               "var": ("unbiased", "correction", "dim", "keepdim"), "std": ("unbiased", "correction", "dim", "keepdim"),
+               **{op: ("dim", "keepdim") for op in ("sum", "mean", "amax", "amin", "all", "any")},
+               "unsqueeze": ("dim",)}
 #: Arguments that are dtypes.
 DTYPE_ARGS = {"zeros_like": ("dtype",), "ones_like": ("dtype",), "full_like": ("dtype",), "to": ("dtype",)}
 
@@ -246,12 +258,17 @@ def eager(op: str, a: dict):
         return torch.empty_like(x).copy_(a["src"])
     if op == "to":
         return x.to(a["dtype"])
+    if op == "unsqueeze":
+        return torch.unsqueeze(x, a["dim"])
     if "other" in a:
         return getattr(torch, op)(x, a["other"])
     return getattr(torch, op)(x)
 
 
 def _eager_reduction(op: str, a: dict, x):
+    dim = a.get("dim")
+    if dim is not None:
+        return _eager_reduction_over(op, a, x, dim, a["keepdim"])
     if op == "norm":
         return torch.norm(x, a["p"])
     if op == "vector_norm":
@@ -262,6 +279,19 @@ def _eager_reduction(op: str, a: dict, x):
             return fn(x, correction=a["correction"])
         return fn(x) if a["unbiased"] is None else fn(x, a["unbiased"])
     return getattr(torch, op)(x)
+
+
+def _eager_reduction_over(op: str, a: dict, x, dim, keepdim: bool):
+    if op == "norm":
+        return torch.norm(x, a["p"], dim=dim, keepdim=keepdim)
+    if op == "vector_norm":
+        return torch.linalg.vector_norm(x, a["ord"], dim=dim, keepdim=keepdim)
+    if op in ("var", "std"):
+        correction = a["correction"]
+        if correction is None:
+            correction = 0 if a["unbiased"] is False else 1
+        return getattr(torch, op)(x, dim=dim, correction=correction, keepdim=keepdim)
+    return getattr(torch, op)(x, dim=dim, keepdim=keepdim)
 
 
 # --- the graph -------------------------------------------------------------------------------------
@@ -336,6 +366,11 @@ class Graph:
     def writes(self) -> bool:
         """False when the body leaves the gradient as it is (statistics only)."""
         return self.result.kind != "grad"
+
+    @functools.cached_property
+    def reduces_over_dims(self) -> bool:
+        """Does the body reduce over some dimensions, or change a value's shape (see `reduces_over_dims`)?"""
+        return any(reduces_over_dims(n) for n in self.live_nodes())
 
     @functools.cached_property
     def _reductions(self) -> list[Node]:

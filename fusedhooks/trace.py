@@ -19,7 +19,6 @@ from .ir import (
     NUMBER_ARGS,
     OPERATOR_OPS,
     OPTION_ARGS,
-    REDUCTIONS,
     SIGNATURES,
     TESTS,
     Graph,
@@ -312,7 +311,7 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
                 result = value_of[root_of[out.name]]
             elif is_number(out):
                 result = _op_node(add, "full_like", {"input": value_of[_first_placeholder(body)],
-                                                      "fill_value": out, "dtype": None}, metas, body)
+                                                      "fill_value": out, "dtype": None}, metas, body, shape)
             else:
                 kind = next((k.__name__ for k in (tuple, list, dict) if isinstance(out, k)), type(out).__name__)
                 raise CompileError(f"cannot compile {body.name}: it returns a {kind}; a hook "
@@ -327,14 +326,23 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
                 value_of[fxn.name] = arg(raw[0], "pos")
                 root_of[fxn.name] = fxn.name
                 continue
+            kwargs = dict(fxn.kwargs)
+            if op in ("var", "std") and len(raw) > 1 and isinstance(raw[1], bool):  # var(unbiased), not var(dim)
+                kwargs["unbiased"] = raw.pop(1)
+            if op in ("max", "min") and ("dim" in kwargs or (len(raw) > 1 and is_number(raw[1]))):
+                raise CompileError(f"cannot compile {body.name}: `{op}(dim)` returns values and indices; use "
+                                   f"`amax(dim)`/`amin(dim)` for the values (indices are not supported)")
             try:
-                bound = bind(op, tuple(raw), dict(fxn.kwargs))
+                bound = bind(op, tuple(raw), kwargs)
             except TypeError as e:
-                if op in REDUCTIONS:
-                    raise CompileError(f"cannot compile {body.name}: `{op}` over dimensions (dim=, keepdim=) is not "
-                                       f"supported; only whole-tensor reductions like grad.{op}(). "
-                                       f"{SUPPORTED_HINT}") from None
                 raise CompileError(f"cannot compile {body.name}: {e}") from None
+            if isinstance(bound.get("dim"), list):
+                bound["dim"] = tuple(bound["dim"])
+            dim = bound.get("dim")
+            if dim is not None and not (isinstance(dim, int) or (isinstance(dim, tuple) and dim
+                                                                  and all(isinstance(d, int) for d in dim))):
+                raise CompileError(f"cannot compile {body.name}: `{op}` takes dim= as an int or a non-empty tuple "
+                                   f"of ints, not {dim!r}")
             for k in NUMBER_ARGS.get(op, ()):
                 v = bound.get(k)
                 if v is not None and not is_number(v):
@@ -365,7 +373,7 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
             if args.get("rounding_mode") is not None:
                 raise CompileError(f"cannot compile {body.name}: div(rounding_mode={args['rounding_mode']!r}) "
                                    "is not supported; only true division")
-            n = _op_node(add, op, args, metas, body)
+            n = _op_node(add, op, args, metas, body, shape)
             if inplace:
                 root = root_of[fxn.args[0].name]
                 target = value_of[root]
@@ -379,7 +387,7 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
                 if n.full != target.full and not target.full:
                     raise CompileError(f"cannot compile {body.name}: `{fxn.target}` would broadcast into a scalar")
                 if n.dtype != target.dtype:
-                    n = _op_node(add, "to", {"input": n, "dtype": target.dtype}, metas, body)
+                    n = _op_node(add, "to", {"input": n, "dtype": target.dtype}, metas, body, shape)
                 value_of[root] = n
                 root_of[fxn.name] = root
                 continue
@@ -406,7 +414,7 @@ def _resolve_named(body: TracedBody, fxn: fx.Node) -> tuple[str, bool]:
         raise CompileError(f"cannot compile {body.name}: {e}") from None
 
 
-def _op_node(add, op: str, args: dict, metas: dict, body: TracedBody) -> Node:
+def _op_node(add, op: str, args: dict, metas: dict, body: TracedBody, shape) -> Node:
     meta_args = {k: (metas[v.index] if isinstance(v, Node) else v) for k, v in args.items()}
     try:
         out = eager(op, meta_args)
@@ -415,7 +423,8 @@ def _op_node(add, op: str, args: dict, metas: dict, body: TracedBody) -> Node:
     if out.dtype not in BODY_DTYPES:
         raise CompileError(f"cannot compile {body.name}: `{op}` gives dtype {out.dtype}; values in a hook body "
                            f"may be {', '.join(str(d).removeprefix('torch.') for d in BODY_DTYPES)}")
-    full = any(v.full for v in args.values() if isinstance(v, Node)) and not is_reduction(op, args)
+    full = (any(v.full for v in args.values() if isinstance(v, Node)) and not is_reduction(op, args)
+            and tuple(out.shape) == tuple(shape))
     if is_reduction(op, args):
         if op in ("norm", "vector_norm"):
             try:

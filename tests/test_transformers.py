@@ -187,3 +187,20 @@ def test_trainer_subclass_reads_no_gradient_for_its_grad_norm_log(tmp_path):
         [pytest.approx(e["grad_norm"], rel=1.2e-7) for e in reference.state.log_history if "loss" in e]
     with pytest.raises(ValueError, match="does not clip"):
         FusedHooksCallback(fh.grad_hook(stats=("norm",))).clip_grad_norm()
+
+
+def test_a_failed_train_is_followed_by_a_clean_registration(tmp_path):
+    """Trainer calls no callback when train() raises: the next train() registers the hook on its own model."""
+    hook = fh.grad_hook(stats=("norm",))
+    callback = FusedHooksCallback(hook)
+
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        _train(tmp_path / "a", 0.0, 1, [callback, Boom()], max_steps=2)
+    assert callback._handle is not None  # left behind
+    trainer, model = _train(tmp_path / "b", 0.0, 1, [callback], max_steps=2)
+    logged = [e for e in trainer.state.log_history if "grad/transformer.wte.weight/norm" in e]
+    assert len(logged) == 2 and callback._handle is None and len(hook.registry) == 0

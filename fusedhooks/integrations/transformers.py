@@ -16,7 +16,8 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
     """Run `hook` inside `transformers.Trainer`.
 
     - At `train()`'s start the hook is registered on the model Trainer trains (`register(model)`: each gradient
-      processed at its own firing), and removed at its end.
+      processed at its own firing), and removed at its end. A `train()` that raises leaves it registered (Trainer
+      calls no callback then) until the next `train()` or `callback.remove()`.
     - Gradient accumulation: the hook runs only in the backward of the micro-batch that completes an accumulation
       step (Trainer's own rule, which accelerate's `GradientState().sync_gradients` states for each micro-batch,
       the epoch's last, shorter step included), so clipping and statistics see the accumulated gradient once.
@@ -55,9 +56,9 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
             raise ValueError(f"FusedHooksCallback(max_grad_norm={self.max_grad_norm}) clips the gradients, and "
                              f"TrainingArguments(max_grad_norm={args.max_grad_norm}) would clip them again: set "
                              "TrainingArguments(max_grad_norm=0)")
-        if self._handle is None:
-            self._gradient_state = GradientState()
-            self._handle = self.hook.register(model, when=self._steps)
+        self.remove()  # a train() that raised left its registration (Trainer calls no callback then)
+        self._gradient_state = GradientState()
+        self._handle = self.hook.register(model, when=self._steps)
 
     def clip_grad_norm(self):
         """Clip by max_grad_norm now, unless done already in this optimizer step; the total norm (0-dim tensor)."""

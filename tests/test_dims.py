@@ -1,0 +1,228 @@
+"""Reductions over dimensions in hook bodies (dim=, keepdim=, unsqueeze) and fh.agc, against eager torch.
+
+They run as eager torch ops (the eager and reference backends; backend="auto" falls back to reference with a
+warning, "triton" is refused until the Triton backend compiles them), so results equal eager torch's bit for bit."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import fusedhooks as fh
+from fusedhooks.trace import CompileError
+
+from helpers import assert_same_values
+
+BACKENDS = ["eager", "reference", "auto"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+#: name -> (body, the shapes it applies to); each body broadcasts its reduction back over the gradient
+BODIES = {
+    "row_norm": (lambda g: g / (g.norm(dim=1, keepdim=True) + 1e-3), [(1, 9), (9, 1), (5, 13), (3, 4, 5, 6)]),
+    "last_vector_norm_inf": (lambda g: g / (torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True) + 1),
+                             [(7,), (1, 9), (5, 13), (3, 4, 5, 6)]),
+    "column_mean": (lambda g: g - g.mean(dim=0), [(7,), (1, 9), (9, 1), (5, 13), (3, 4, 5, 6)]),
+    "unit_sum_tuple": (lambda g: g * g.sum(dim=(1, 2), keepdim=True), [(3, 4, 5, 6), (2, 3, 1)]),
+    "var_std": (lambda g: (g - g.mean(dim=-1, keepdim=True)) / (g.std(dim=-1, keepdim=True) + 1)
+                + g.var(dim=-1, unbiased=False, keepdim=True), [(5, 13), (3, 4, 5, 6)]),
+    "var_correction": (lambda g: g * g.var(dim=0, correction=0), [(5, 13), (9, 1)]),
+    "amax_amin": (lambda g: g / (g.amax(dim=1, keepdim=True) - g.amin(dim=1, keepdim=True) + 1), [(5, 13), (1, 9)]),
+    "all_any": (lambda g: torch.where(torch.isfinite(g).all(dim=1, keepdim=True), g, 0.0)
+                + (g > 1).any(dim=-1, keepdim=True).float(), [(5, 13), (3, 4, 5, 6)]),
+    "unsqueeze": (lambda g: g / (g.norm(dim=1).unsqueeze(1) + 1e-3), [(5, 13), (4, 5, 6)]),
+    "mixed_with_whole": (lambda g: g / (g.norm(dim=0) + g.norm() + 1e-3), [(7,), (5, 13)]),
+    "nested": (lambda g: g / (g.abs().sum(dim=1, keepdim=True).amax() + 1), [(5, 13), (3, 4, 5, 6)]),
+}
+CASES = [(name, shape) for name, (_, shapes) in BODIES.items() for shape in shapes]
+
+
+def _gradient(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3
+    if x.numel() > 3:
+        x.view(-1)[2] = 0.0
+    return x.to(dtype)
+
+
+def _hook(fn, backend, **options):
+    return fh.grad_hook(fn, backend=None if backend == "auto" else backend, **options)
+
+
+def _fire(hook, grad):
+    p = torch.nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # auto's fallback warning: tested on its own
+        hook.register(p)
+        hook(p)
+    return p.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("name, shape", CASES, ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in CASES])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reduction_over_dims_equals_eager_torch(name, shape, dtype, backend):
+    fn = BODIES[name][0]
+    grad = _gradient(shape, dtype)
+    expected = fn(grad.clone()).to(dtype)
+    got = _fire(_hook(fn, backend, stats=("norm", "max")), grad)
+    assert_same_values(got, expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_statistics_of_the_result(backend):
+    hook = _hook(lambda g: g / (g.norm(dim=1, keepdim=True) + 1e-3), backend, stats=("norm", "count", "max"),
+                 input_stats=("sum",))
+    grad = _gradient((6, 11), torch.float32)
+    got = _fire(hook, grad)
+    row = hook.stats.read()["param0"]
+    assert row["count"] == 66 and row["max"] == got.max().item()
+    assert row["norm"] == pytest.approx(got.double().norm().item(), rel=1e-6)
+    assert row["input.sum"] == pytest.approx(grad.double().sum().item(), rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_shape_gets_its_own_plan_and_buckets_match(backend):
+    fn = BODIES["row_norm"][0]
+    shapes = [(5, 13), (1, 9), (3, 4, 5, 6), (9, 1)]
+    grads = [_gradient(s, torch.float32, seed=i) for i, s in enumerate(shapes)]
+    for bucket_mb in (None, 25):
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+        hook = _hook(fn, backend, stats=("norm",))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hook.register(params, bucket_mb=bucket_mb)
+            sum((p * g).sum() for p, g in zip(params, grads)).backward()
+        for p, g in zip(params, grads):
+            assert_same_values(p.grad, fn(g.clone()))
+        assert len(hook.stats.read()) == 4
+
+
+@pytest.mark.parametrize("backend", ["eager", "reference"])
+def test_empty_gradients(backend):
+    hook = _hook(lambda g: g / (g.norm(dim=1, keepdim=True) + 1e-3), backend, stats=("count",))
+    assert _fire(hook, torch.zeros(0, 5)).shape == (0, 5)
+    assert hook.stats.read()["param0"]["count"] == 0
+    with pytest.raises(CompileError, match=r"does not fit param0 \(shape \(5, 0\)\)"):  # torch: amax of no element
+        _hook(lambda g: g / g.amax(dim=1, keepdim=True), backend).register(torch.nn.Parameter(torch.zeros(5, 0)))
+
+
+def test_a_body_that_does_not_fit_a_parameter_is_refused_at_register_naming_it():
+    hook = fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True), backend="reference")
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(CompileError, match=r"does not fit bias \(shape \(3,\)\).*Dimension out of range"):
+        hook.register(model)
+    assert len(hook.registry) == 0  # all or nothing
+    with pytest.raises(CompileError, match=r"does not fit w \(shape \(3, 4\)\)"):  # (3,) does not broadcast to (3, 4)
+        fh.grad_hook(lambda g: g / g.norm(dim=1), backend="eager").register([("w", torch.nn.Parameter(
+            torch.zeros(3, 4)))])
+
+def test_auto_falls_back_to_eager_torch_with_one_warning_and_triton_is_refused(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # auto picks triton here
+    hook = fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True))
+    p = torch.nn.Parameter(torch.zeros(3, 4))
+    p.grad = torch.ones(3, 4)
+    with pytest.warns(UserWarning, match="reduces over dimensions.*runs as eager torch ops") as record:
+        hook.register(p)
+        hook(p)
+        hook(p)
+    assert len(record) == 1
+    with pytest.raises(CompileError, match="Triton backend does not compile yet; use backend='reference'"):
+        fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True), backend="triton").register(
+            torch.nn.Parameter(torch.zeros(3, 4)))
+
+
+def test_refusals_at_decoration():
+    with pytest.raises(CompileError, match=r"`max\(dim\)` returns values and indices; use `amax\(dim\)`"):
+        fh.grad_hook(lambda g: g / g.max(dim=1).values)
+    with pytest.raises(CompileError, match=r"`min\(dim\)`"):
+        fh.grad_hook(lambda g: g - g.min(0)[0])
+    with pytest.raises(CompileError, match="dim= as an int or a non-empty tuple of ints"):
+        fh.grad_hook(lambda g: g / g.sum(dim=1.5))
+
+
+def test_whole_tensor_var_with_a_positional_unbiased_is_still_var():
+    hook = fh.grad_hook(lambda g: g * g.var(False), backend="reference")
+    grad = _gradient((5, 4), torch.float32)
+    assert_same_values(_fire(hook, grad), grad * grad.var(False))
+
+
+# --- AGC ------------------------------------------------------------------------------------------------------------
+
+def _timm_agc_(parameters, clip_factor=0.01, eps=1e-3):
+    """timm.utils.agc.adaptive_clip_grad, as timm writes it (timm itself is not installed: it pulls torchvision)."""
+    def unitwise_norm(x):
+        if x.ndim <= 1:
+            return x.norm(2.0)
+        return x.norm(2.0, dim=tuple(range(1, x.ndim)), keepdim=True)
+
+    for p in parameters:
+        if p.grad is None:
+            continue
+        p_data = p.detach()
+        g_data = p.grad.detach()
+        max_norm = unitwise_norm(p_data).clamp_(min=eps).mul_(clip_factor)
+        grad_norm = unitwise_norm(g_data)
+        clipped_grad = g_data * (max_norm / grad_norm.clamp(min=1e-6))
+        new_grads = torch.where(grad_norm < max_norm, g_data, clipped_grad)
+        p.grad.detach().copy_(new_grads)
+
+
+def _conv_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
+                               torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 5))
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 25], ids=["per-firing", "buckets"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_agc_equals_timm_over_20_steps(backend, bucket_mb):
+    model, reference = _conv_net(), _conv_net()
+    hook = fh.agc(clip_factor=0.01, eps=1e-3, backend=None if backend == "auto" else backend, stats=("norm",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hook.register(model, bucket_mb=bucket_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    clipped = 0
+    for _ in range(20):
+        x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 5, generator=g)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        before = [p.grad.clone() for p in reference.parameters()]
+        _timm_agc_(reference.parameters())
+        clipped += sum(not torch.equal(b, p.grad) for b, p in zip(before, reference.parameters()))
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+        opt.step()
+        ref_opt.step()
+    assert clipped > 20  # AGC really clips in this run
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    assert sorted(hook.stats.read()) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_agc_options_are_checked():
+    for bad in (0, -1.0, math.inf, "0.1", True):
+        with pytest.raises(ValueError, match="clip_factor= takes a finite number > 0"):
+            fh.agc(clip_factor=bad)
+    with pytest.raises(ValueError, match="eps= takes"):
+        fh.agc(eps=0)
+
+
+def test_plan_takes_the_shape():
+    hook = fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True), backend="reference")
+    plan = hook.plan(shape=(4096, 1024))
+    assert plan.numel == 4096 * 1024 and plan.backend == "reference"
+    assert "dim=1" in str(plan)
+    with pytest.raises(ValueError, match="pass shape="):
+        hook.plan(numel=1000)
+    with pytest.raises(CompileError, match="runs as eager torch ops, not as a Triton kernel"):
+        hook.source()
+    if not torch.cuda.is_available():
+        assert fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True)).plan(shape=(8, 8), device="cpu").backend in (
+            "eager", "reference")
