@@ -404,7 +404,7 @@ class GradHook:
                 added.append(entry)
                 entry.checked_shape = t.shape  # checked above
                 entry.bucket_bytes = bucket_bytes
-                torch_handle = t.register_post_accumulate_grad_hook(self._bucketed(entry) if bucket_bytes
+                torch_handle = t.register_post_accumulate_grad_hook(self._buckets.torch_hook(entry) if bucket_bytes
                                                                     else self._at_firing(entry))
                 entry.torch_hook_id = torch_handle.id
                 handle._add(t, torch_handle, self.registry)
@@ -435,12 +435,6 @@ class GradHook:
                 self.fire(param, entry if entry.ref() is param else None)
         return fire
 
-    def _bucketed(self, entry: Entry):
-        """The torch hook of a tensor registered with bucket_mb > 0."""
-        def enqueue(param: torch.Tensor) -> None:
-            if not self._paused:
-                self._buckets.enqueue(entry, param)
-        return enqueue
 
     def explain(self) -> BackwardPlan:
         """Launches per backward for the tensors this hook is registered on (an upper bound)."""
