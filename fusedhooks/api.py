@@ -127,6 +127,7 @@ class GradHook:
         self._graphs: dict[torch.dtype, Graph] = {}
         self._compiled: dict[tuple, Compiled] = {}
         self._compiled_by_index: dict[tuple, Compiled] = {}  # (dtype, is_cuda, device index) -> the unsharded one
+        self._eager_firings: dict[torch.dtype, object] = {}  # dtype -> _eager_firing of CPU gradients (eager backend)
         self._workspaces: dict[tuple, runtime.Workspace] = {}
         self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
         if fn is not None:
@@ -162,6 +163,12 @@ class GradHook:
         if entry is None:
             entry = self.registry.get(param) or self._add(self._auto_name(), param)
         backward_key = torch._C._current_graph_task_id() if backward_key is None else backward_key
+        eager_firing = self._eager_firings.get(grad.dtype)
+        if (eager_firing is not None and type(grad) is torch.Tensor and grad.is_cpu and not grad.requires_grad
+                and grad.numel() and entry.checked_shape == grad.shape
+                and (self._distributed_checked or backward_key == self._distributed_seen)):
+            eager_firing(entry, grad, param, backward_key)  # what process() would do, with fewer lookups
+            return
         if distributed.is_dtensor(grad):
             self._shards.fire(entry, param, grad, backward_key)
             return
@@ -185,6 +192,28 @@ class GradHook:
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
                      self._workspace_for(grad), amp)
         entry.record(grad)
+        if compiled.plan.backend == "eager" and grad.dtype not in self._eager_firings and not grad.requires_grad:
+            self._eager_firings[grad.dtype] = self._eager_firing(compiled)
+
+    def _eager_firing(self, compiled: Compiled):
+        """`process` on the eager backend, for a plain (not a DTensor, not requiring grad), non-empty CPU gradient
+        of `compiled`'s dtype whose shape is checked, as `fire` calls it once the distributed check is done for
+        this backward: `firing(entry, grad, param, backward_key)`. It does only what the plan needs: without
+        statistics and AMP, the body alone (no backward numbering, row, or record for clip_grad_norm_, which
+        only reads hooks that record statistics)."""
+        plan, body, scalars, stats = compiled.plan, compiled.kernel, self._body.scalars, self.stats
+        if not (plan.slots or plan.amp):
+            def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
+                body(grad, param, scalars)
+            return firing
+
+        def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
+            stats.begin_firing(backward_key)
+            stats_row = stats.row(entry.row) if plan.slots else None
+            amp = self.amp_tensors(grad.device) if plan.amp else None
+            eager.run(plan, body, grad, param, scalars, stats_row, amp, self._workspace_for(grad).scratch)
+            entry.record(grad)
+        return firing
 
     def _check_distributed(self, entry: Entry, backward_key: int) -> None:
         """At the first firing on a gradient of this rank alone in a process group of several ranks: say once

@@ -51,9 +51,10 @@ def _can_overwrite(n: Node, first: Node | None, i: int, last_use: dict, owned: s
 
 @functools.lru_cache(maxsize=256)
 def compile_body(graph: Graph):
-    """The body as a Python function body(grad, param, scalars) -> result, eager torch op by op, overwriting
-    `grad` and its own intermediates once they are no longer read (so the result may be `grad` itself, already
-    written). Written once per graph: at each firing it costs what the torch calls cost."""
+    """The body as a Python function body(grad, param, scalars) that writes the body's result into `grad`, eager
+    torch op by op, overwriting `grad` and its own intermediates once they are no longer read (so the result is
+    often `grad` itself, already written: then nothing is copied). Written once per graph: at each firing it costs
+    what the torch calls cost."""
     nodes = graph.live_nodes()
     last_use: dict[int, int] = {}
     for i, n in enumerate(nodes):
@@ -99,7 +100,7 @@ def compile_body(graph: Graph):
                 if not (n.op == "to" and isinstance(first, Node) and first.dtype == n.dtype):
                     owned.add(n.index)  # a fresh tensor (x.to(its own dtype) is x itself)
             lines.append(f"v{n.index} = {call}")
-    lines.append(f"return {ref(graph.result)}")
+    lines += [f"result = {ref(graph.result)}", "if result is not grad:", "    grad.copy_(result)"]
     source = "def body(grad, param, scalars):\n" + "".join(f"    {line}\n" for line in lines)
     scope = {"torch": torch, "eager": eager, "c": consts}
     exec(compile(source, f"<fusedhooks eager body {id(graph):x}>", "exec"), scope)
@@ -177,9 +178,7 @@ def run(plan: Plan, body, grad: torch.Tensor, param: torch.Tensor | None, scalar
         torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf, scale.double().reciprocal().float())
     values = _stats_values(grad, plan.input_stats, plan.hist_range, scratch) if plan.input_stats else []
     if plan.graph.writes:
-        result = body(grad, param, scalars)
-        if result is not grad:
-            grad.copy_(result)
+        body(grad, param, scalars)
     values = (_stats_values(grad, plan.stats, plan.hist_range, scratch) if plan.stats else []) + values
     if values and stats_row is not None:
         stats_row.copy_(torch.tensor(values, dtype=torch.float64))
