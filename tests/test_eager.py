@@ -194,3 +194,22 @@ def test_the_lean_firing_in_a_backward():
         assert torch.equal(w.grad, torch.tensor([1.0, -1.0, min(0.5 * (step + 1), 1.0), 1.0]))
         assert hook.stats.read()["w"].fresh
     assert torch.float32 in hook._eager_firings
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])
+def test_a_large_gradient_goes_block_by_block_with_the_same_bits(contiguous):
+    scale = torch.tensor(0.75)
+    hook = fh.grad_hook(lambda grad, param: grad.clamp(-1.0, 1.0) * scale + param * 1e-3, stats=("norm", "max"),
+                        backend="eager")
+    assert "cache_blocks(grad, param)" in eager.compile_body(hook._graph(torch.float32)).source
+    numel = 4 * eager.CACHE_BLOCK_BYTES // 4 + 4099  # more than four blocks, the last one partial
+    param = torch.randn(numel // 3, 3)
+    grad = torch.randn(numel // 3, 3) * 2
+    if not contiguous:
+        param, grad = param.t().contiguous().t(), grad.t().contiguous().t()
+    expected = grad.clamp(-1.0, 1.0) * scale + param * 1e-3
+    p = fire(hook, grad, param)
+    assert torch.equal(p.grad, expected)
+    assert hook.stats.read()["p"]["max"] == expected.max().item()
+    assert "cache_blocks" not in eager.compile_body(hook._graph(torch.bfloat16)).source  # bound by conversions
+    assert "cache_blocks" not in eager.compile_body(fh.grad_hook(lambda g: g / g.norm())._graph(torch.float32)).source
