@@ -18,7 +18,7 @@ import torch
 
 from . import distributed, runtime
 from .layout import flat_span
-from .registry import Entry
+from .registry import Entry, record_all
 
 if TYPE_CHECKING:
     from .api import GradHook
@@ -53,19 +53,6 @@ class PendingBackward:
     def __contains__(self, param: torch.Tensor) -> bool:
         return id(param) in self.seen
 
-    def add(self, entry: Entry, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Collect `param`'s gradient `grad` (not collected yet in this backward); launch its bucket once it holds
-        entry.bucket_bytes."""
-        key = (grad.device, grad.dtype)
-        self.seen.add(id(param))
-        bucket = self.buckets.get(key)
-        if bucket is None:
-            bucket = self.buckets[key] = _Bucket()
-        bucket.items.append((entry, param))
-        bucket.nbytes += grad.nbytes
-        if bucket.nbytes >= entry.bucket_bytes:
-            self.flush(key)
-
     def flush_all(self) -> None:
         """The end-of-backward callback: process everything still pending."""
         self.done = True
@@ -94,23 +81,26 @@ def process_together(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torc
         for entry, grad, p in items:
             hook.process(entry, grad, p, backward_key)
         return
-    uses_param, together = plan.graph.uses_param, []
+    uses_param = plan.graph.uses_param
     is_cuda, index = device.type == "cuda", items[0][1].get_device()  # compared without building torch.devices
-    for item in items:
-        entry, grad, p = item
+    entries, grads, params = [], [], []
+    for entry, grad, p in items:
         if (grad.dtype == dtype and grad.get_device() == index and grad.is_cuda == is_cuda and not grad.requires_grad
-                and grad.numel() > 0 and entry.checked_shape == grad.shape and _dense(grad)
+                and grad.numel() > 0 and entry.checked_shape == grad.shape
+                and (grad.is_contiguous() or flat_span(grad) is not None)
                 and (not uses_param or (p.stride() == grad.stride() and _dense(p)))):
-            together.append(item)
+            entries.append(entry)
+            grads.append(grad)
+            params.append(p)
         else:
             hook.process(entry, grad, p, backward_key)
-    if together:
-        hook.stats.mark_written([entry.row for entry, _, _ in together])
+    if entries:
+        rows = [entry.row for entry in entries]
+        hook.stats.mark_written(rows)
         amp = hook.amp_tensors(device) if plan.amp else None
-        runtime.fire_bucket(plan, compiled.kernel, [(g, p, e.row) for e, g, p in together], hook.scalars,
+        runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, hook.scalars,
                             hook.stats.tensor if plan.slots else None, hook.workspace(device), amp)
-        for entry, grad, _ in together:
-            entry.record(grad)
+        record_all(entries, grads)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -150,21 +140,33 @@ class Buckets:
                 return
             backward_key = graph_task_id()
             key, pending = self._last
-            if key == backward_key:
-                # the one backward running, already seen (the common case): only the per-firing checks
-                pending = pending()
-                if (pending is not None and not pending.done and not grad.requires_grad and not self.at_firing
-                        and not entry.sharded and not entry.has_later_hooks(param)):
-                    if id(param) not in pending.seen:  # a second firing in the same backward is processed once
-                        pending.add(entry, param, grad)
+            pending = pending() if key == backward_key else None
+            if (pending is None or pending.done or grad.requires_grad or self.at_firing or entry.sharded
+                    or entry.has_later_hooks(param)):  # not the common case: the one backward running, already seen
+                pending = self._enqueue(entry, param, grad, backward_key)
+                if pending is None:
                     return
-            self._enqueue(entry, param, grad, backward_key)
+            ident = id(param)
+            if ident in pending.seen:  # a second firing in the same backward is processed once
+                return
+            pending.seen.add(ident)
+            bucket_key = (grad.device, grad.dtype)
+            bucket = pending.buckets.get(bucket_key)
+            if bucket is None:
+                bucket = pending.buckets[bucket_key] = _Bucket()
+            bucket.items.append((entry, param))
+            bucket.nbytes += grad.nbytes
+            if bucket.nbytes >= entry.bucket_bytes:
+                pending.flush(bucket_key)
         return enqueue
 
-    def _enqueue(self, entry: Entry, param: torch.Tensor, grad: torch.Tensor, backward_key: int) -> None:
+    def _enqueue(self, entry: Entry, param: torch.Tensor, grad: torch.Tensor, backward_key: int
+                 ) -> PendingBackward | None:
+        """The firing's checks, when it is not the common case: the pending state of its backward that `param`'s
+        gradient goes into, or None when it is processed now or not at all."""
         hook = self._hook()
         if hook is None:
-            return
+            return None
         if entry.sharded is None:
             entry.sharded = distributed.is_dtensor(grad)
         if not hook._distributed_checked and not entry.sharded:
@@ -172,7 +174,7 @@ class Buckets:
         if (backward_key < 0 or grad.requires_grad or entry.has_later_hooks(param) or self.at_firing
                 or entry.sharded):
             hook.fire(param, entry, backward_key)
-            return
+            return None
         with self._lock:
             pending = self._running.get(backward_key)
             thread = threading.get_ident()
@@ -181,11 +183,10 @@ class Buckets:
                     if k != backward_key and not p.done and p.thread == thread):
                 # fired again inside a nested backward (reentrant checkpointing) while the outer backward
                 # still holds it: processed once, at the outer backward's end, on the full gradient
-                return
+                return None
             if pending is None:
                 pending = PendingBackward(hook, backward_key)
                 torch.autograd.Variable._execution_engine.queue_callback(pending.flush_all)
                 self._running[backward_key] = pending
             self._last = (backward_key, weakref.ref(pending)) if len(self._running) == 1 else _NOT_ALONE
-        if param not in pending:  # a second firing in the same backward is processed once, too
-            pending.add(entry, param, grad)
+        return pending

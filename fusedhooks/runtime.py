@@ -354,20 +354,21 @@ def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: in
     return BucketTable(table, n, sum(blocks), max(total, 1), sizes_aligned, host=host)
 
 
-def fire_bucket(plan: Plan, module, items: list[tuple[torch.Tensor, torch.Tensor, int]],
+def fire_bucket(plan: Plan, module, grads: list[torch.Tensor], params: list[torch.Tensor], rows: list[int],
                 scalars: list[torch.Tensor], stats: torch.Tensor | None, workspace: Workspace,
                 amp: tuple | None = None) -> None:
-    """Apply `plan` to every (grad, param, stats row) of `items` with one launch per pass; no host sync.
+    """Apply `plan` to every gradient of `grads` (of `params`, with statistics rows `rows`) with one launch per pass;
+    no host sync.
 
     Every grad must be non-empty, one flat span of storage (see `layout.flat_span`: its data_ptr and numel
     are those of the span), of plan.dtype on one device; with a param-reading body, each param must be a flat
     span with its grad's strides.
     """
-    grads, params, rows = zip(*items)
     numels = tuple(map(torch.Tensor.numel, grads))
     addresses = tuple(map(torch.Tensor.data_ptr, grads))
     if plan.graph.uses_param:
         addresses += tuple(map(torch.Tensor.data_ptr, params))
+    rows = tuple(rows)
     key = (module, numels, rows)
     table = workspace.tables.get(key)
     device, dtype = grads[0].device, grads[0].dtype
