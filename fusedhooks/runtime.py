@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import array
+import functools
+import operator
 import os
 import threading
 from dataclasses import dataclass, field
@@ -319,15 +322,15 @@ class BucketTable:
         param addresses); stream-ordered after launches already queued."""
         if addresses == self.addresses:
             return
-        values = torch.tensor(addresses, dtype=torch.int64)
+        values = torch.frombuffer(array.array("q", addresses), dtype=torch.int64)  # cheaper than torch.tensor
         if self.table.device.type == "cuda":
             values = values.pin_memory()
             self.table[:len(addresses)].copy_(values, non_blocking=True)
             self.host = values
         else:
-            self.table[:len(addresses)] = values
+            self.table[:len(addresses)].copy_(values)
         self.addresses = addresses
-        self.aligned = self.sizes_aligned and all(a % 16 == 0 for a in addresses)
+        self.aligned = self.sizes_aligned and functools.reduce(operator.or_, addresses) % 16 == 0
 
 
 def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: int, device: torch.device,
