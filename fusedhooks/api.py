@@ -8,7 +8,7 @@ import math
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +127,7 @@ class GradHook:
         self._graphs: dict[torch.dtype, Graph] = {}
         self._compiled: dict[tuple, Compiled] = {}
         self._compiled_by_index: dict[tuple, Compiled] = {}  # (dtype, is_cuda, device index) -> the unsharded one
-        self._eager_firings: dict[torch.dtype, object] = {}  # dtype -> _eager_firing of CPU gradients (eager backend)
+        self._eager_firings: dict[torch.dtype, Callable] = {}  # dtype -> _eager_firing of CPU gradients (eager)
         self._workspaces: dict[tuple, runtime.Workspace] = {}
         self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
         if fn is not None:
@@ -195,7 +195,7 @@ class GradHook:
         if compiled.plan.backend == "eager" and grad.dtype not in self._eager_firings and not grad.requires_grad:
             self._eager_firings[grad.dtype] = self._eager_firing(compiled)
 
-    def _eager_firing(self, compiled: Compiled):
+    def _eager_firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
         """`process` on the eager backend, for a plain (not a DTensor, not requiring grad), non-empty CPU gradient
         of `compiled`'s dtype whose shape is checked, as `fire` calls it once the distributed check is done for
         this backward: `firing(entry, grad, param, backward_key)`. It does only what the plan needs: without
@@ -463,7 +463,6 @@ class GradHook:
             if not self._paused:
                 self.fire(param, entry if entry.ref() is param else None)
         return fire
-
 
     def explain(self) -> BackwardPlan:
         """Launches per backward for the tensors this hook is registered on (an upper bound)."""
