@@ -9,7 +9,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +136,7 @@ class GradHook:
         self._graphs: dict[torch.dtype, Graph] = {}
         self._compiled: dict[tuple, Compiled] = {}
         self._compiled_by_index: dict[tuple, Compiled] = {}  # (dtype, is_cuda, device index) -> the unsharded one
+        self._eager_firings: dict[torch.dtype, Callable] = {}  # dtype -> _eager_firing of CPU gradients (eager)
         self._workspaces: dict[tuple, runtime.Workspace] = {}
         self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
         if fn is not None:
@@ -173,6 +174,12 @@ class GradHook:
         if entry is None:
             entry = self.registry.get(param) or self._add(self._auto_name(), param)
         backward_key = torch._C._current_graph_task_id() if backward_key is None else backward_key
+        eager_firing = self._eager_firings.get(grad.dtype)
+        if (eager_firing is not None and type(grad) is torch.Tensor and grad.is_cpu and not grad.requires_grad
+                and grad.numel() and entry.checked_shape == grad.shape
+                and (self._distributed_checked or backward_key == self._distributed_seen)):
+            eager_firing(entry, grad, param, backward_key)  # what process() would do, with fewer lookups
+            return
         if distributed.is_dtensor(grad):
             self._shards.fire(entry, param, grad, backward_key)
             return
@@ -198,6 +205,29 @@ class GradHook:
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
                      self._workspace_for(grad), amp)
         entry.record(grad)
+        if (compiled.plan.backend == "eager" and grad.dtype not in self._eager_firings and not grad.requires_grad
+                and not self.reduces_over_dims):  # (a plan per shape, not per dtype)
+            self._eager_firings[grad.dtype] = self._eager_firing(compiled)
+
+    def _eager_firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
+        """`process` on the eager backend, for a plain (not a DTensor, not requiring grad), non-empty CPU gradient
+        of `compiled`'s dtype whose shape is checked, as `fire` calls it once the distributed check is done for
+        this backward: `firing(entry, grad, param, backward_key)`. It does only what the plan needs: without
+        statistics and AMP, the body alone (no backward numbering, row, or record for clip_grad_norm_, which
+        only reads hooks that record statistics)."""
+        plan, body, scalars, stats = compiled.plan, compiled.kernel, self._body.scalars, self.stats
+        if not (plan.slots or plan.amp):
+            def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
+                body(grad, param, scalars)
+            return firing
+
+        def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
+            stats.begin_firing(backward_key)
+            stats_row = stats.row(entry.row) if plan.slots else None
+            amp = self.amp_tensors(grad.device) if plan.amp else None
+            eager.run(plan, body, grad, param, scalars, stats_row, amp, self._workspace_for(grad).scratch)
+            entry.record(grad)
+        return firing
 
     def _check_distributed(self, entry: Entry, backward_key: int) -> None:
         """At the first firing on a gradient of this rank alone in a process group of several ranks: say once
@@ -471,7 +501,7 @@ class GradHook:
                 added.append(entry)
                 entry.checked_shape = t.shape  # checked above
                 entry.bucket_bytes = bucket_bytes
-                fire = self._bucketed(entry) if bucket_bytes else self._at_firing(entry)
+                fire = self._buckets.torch_hook(entry) if bucket_bytes else self._at_firing(entry)
                 if handle.when is not None:
                     fire = gates.gated(fire, handle.when)
                 torch_handle = t.register_post_accumulate_grad_hook(fire)
@@ -508,18 +538,6 @@ class GradHook:
             elif not self._paused:
                 self.fire(param, entry if entry.ref() is param else None)
         return fire
-
-    def _bucketed(self, entry: Entry):
-        """The torch hook of a tensor registered with bucket_mb > 0; while torch.compile traces it, processed at
-        its firing by one `fusedhooks::process` op, as without buckets (see `ops`)."""
-        key = ops.token(self, entry)
-
-        def enqueue(param: torch.Tensor) -> None:
-            if torch.compiler.is_compiling():
-                ops.fire_traced(self, key, param)
-            elif not self._paused:
-                self._buckets.enqueue(entry, param)
-        return enqueue
 
     def explain(self) -> BackwardPlan:
         """Launches per backward for the tensors this hook is registered on (an upper bound)."""

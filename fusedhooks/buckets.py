@@ -16,12 +16,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import distributed, runtime
+from . import distributed, ops, runtime
 from .layout import flat_span
-from .registry import Entry
+from .registry import Entry, record_all
 
 if TYPE_CHECKING:
     from .api import GradHook
+
+
+#: Buckets._last when no backward runs alone
+_NOT_ALONE: tuple[int, weakref.ref] = (-2, lambda: None)
+
+
+class _Bucket:
+    """The (entry, param) pairs of one (device, dtype) collected so far, in firing order, and their gradients'
+    bytes."""
+
+    __slots__ = ("items", "nbytes")
+
+    def __init__(self):
+        self.items: list[tuple[Entry, torch.Tensor]] = []
+        self.nbytes = 0
 
 
 class PendingBackward:
@@ -31,41 +46,26 @@ class PendingBackward:
         self.hook = hook
         self.backward_key = backward_key
         self.thread = threading.get_ident()  # a nested (reentrant) backward runs on its parent's thread
-        self.groups: dict[tuple, dict[int, tuple[Entry, torch.Tensor]]] = {}
-        self.nbytes: dict[tuple, int] = {}
+        self.buckets: dict[tuple, _Bucket] = {}
         self.seen: set[int] = set()  # id() of every tensor collected in this backward
         self.done = False
 
     def __contains__(self, param: torch.Tensor) -> bool:
         return id(param) in self.seen
 
-    def add(self, entry: Entry, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Collect `param`'s gradient `grad`; launch its bucket once it holds entry.bucket_bytes."""
-        key = (grad.device, grad.dtype)
-        self.seen.add(id(param))
-        group = self.groups.get(key)
-        if group is None:
-            group = self.groups[key] = {}
-            self.nbytes[key] = 0
-        group[id(param)] = (entry, param)
-        nbytes = self.nbytes[key] + grad.nbytes
-        self.nbytes[key] = nbytes
-        if nbytes >= entry.bucket_bytes:
-            self.flush(key)
-
     def flush_all(self) -> None:
         """The end-of-backward callback: process everything still pending."""
         self.done = True
-        for key in list(self.groups):
+        for key in list(self.buckets):
             self.flush(key)
 
     def flush(self, key: tuple) -> None:
         """Process the pending gradients of (device, dtype) `key` (see `process_together`). A tensor whose
         registration was removed after it fired is processed too: remove() stops later firings only."""
-        items = list(self.groups.pop(key, {}).values())
-        self.nbytes.pop(key, None)
-        process_together(self.hook, [(entry, p.grad, p) for entry, p in items if p.grad is not None],
-                         self.backward_key)
+        bucket = self.buckets.pop(key, None)
+        if bucket is not None:
+            process_together(self.hook, [(entry, grad, p) for entry, p in bucket.items if (grad := p.grad) is not None],
+                             self.backward_key)
 
 
 def process_together(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch.Tensor]], backward_key: int) -> None:
@@ -79,25 +79,32 @@ def process_together(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torc
         return
     device, dtype = items[0][1].device, items[0][1].dtype
     compiled = hook.compiled(dtype, device)
-    plan, together = compiled.plan, []
+    plan = compiled.plan
     hook.stats.begin_firing(backward_key)
+    if plan.backend != "triton":
+        for entry, grad, p in items:
+            hook.process(entry, grad, p, backward_key)
+        return
     uses_param = plan.graph.uses_param
+    is_cuda, index = device.type == "cuda", items[0][1].get_device()  # compared without building torch.devices
+    entries, grads, params = [], [], []
     for entry, grad, p in items:
-        shareable = (plan.backend == "triton" and grad.numel() > 0 and not grad.requires_grad
-                     and grad.dtype == dtype and grad.device == device and entry.checked_shape == grad.shape
-                     and _dense(grad) and (not uses_param or (p.stride() == grad.stride() and _dense(p))))
-        if shareable:
-            together.append((entry, grad, p))
+        if (grad.dtype == dtype and grad.get_device() == index and grad.is_cuda == is_cuda and not grad.requires_grad
+                and grad.numel() > 0 and entry.checked_shape == grad.shape
+                and (grad.is_contiguous() or flat_span(grad) is not None)
+                and (not uses_param or (p.stride() == grad.stride() and _dense(p)))):
+            entries.append(entry)
+            grads.append(grad)
+            params.append(p)
         else:
             hook.process(entry, grad, p, backward_key)
-    if together:
-        for entry, _, _ in together:
-            hook.stats.row(entry.row)  # marks it written by this backward
+    if entries:
+        rows = [entry.row for entry in entries]
+        hook.stats.mark_written(rows)
         amp = hook.amp_tensors(device) if plan.amp else None
-        runtime.fire_bucket(plan, compiled.kernel, [(g, p, e.row) for e, g, p in together], hook.scalars,
+        runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, hook.scalars,
                             hook.stats.tensor if plan.slots else None, hook.workspace(device), amp)
-        for entry, grad, _ in together:
-            entry.record(grad)
+        record_all(entries, grads)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -117,33 +124,58 @@ class Buckets:
         #: True once the hook runs in a process group of several ranks: DDP's reducer may read each gradient
         #: right after our firing, so nothing waits for the end of backward
         self.at_firing = False
-        #: (graph task id, weak reference to its PendingBackward) of the last backward enqueued into
-        self._last: tuple[int, weakref.ref] = (-2, lambda: None)
+        #: (graph task id, weak reference to its PendingBackward) of the last backward enqueued into while it was
+        #: the only one running (-2 otherwise: every firing takes the checks of `_enqueue`)
+        self._last: tuple[int, weakref.ref] = _NOT_ALONE
 
-    def enqueue(self, entry: Entry, param: torch.Tensor) -> None:
-        """The torch hook of a bucketed tensor. Processed now, at its own firing, when the gradient must be
-        final before anything else runs (a post-accumulate hook registered after ours on the tensor), when
+    def torch_hook(self, entry: Entry):
+        """The torch hook of a bucketed tensor, `hook(param)`. Processed now, at its own firing, when the gradient
+        must be final before anything else runs (a post-accumulate hook registered after ours on the tensor), when
         autograd records the body (`.grad` requires grad: create_graph=True), outside a backward, for a sharded
-        (FSDP2) gradient, and in a process group of several ranks (see GradHook._check_distributed)."""
-        grad = param.grad
-        if grad is None:
-            return
-        backward_key = torch._C._current_graph_task_id()
-        key, pending = self._last
-        if key == backward_key and len(self._running) == 1:
-            # the one backward running, already seen (the common case): only the per-firing checks
-            pending = pending()
-            if (pending is not None and not pending.done and not grad.requires_grad and not self.at_firing
-                    and not entry.sharded and not entry.has_later_hooks(param)):
-                if id(param) not in pending.seen:  # a second firing in the same backward is processed once
-                    pending.add(entry, param, grad)
-                return
-        self._enqueue(entry, param, grad, backward_key)
+        (FSDP2) gradient, in a process group of several ranks (see GradHook._check_distributed), and while
+        torch.compile traces it (one `fusedhooks::process` op, see `ops`)."""
+        hook = self._hook()  # held by the torch hook, as the GradHook's own methods hold it
+        graph_task_id = torch._C._current_graph_task_id
+        token = ops.token(hook, entry)
 
-    def _enqueue(self, entry: Entry, param: torch.Tensor, grad: torch.Tensor, backward_key: int) -> None:
+        def enqueue(param: torch.Tensor) -> None:
+            if torch.compiler.is_compiling():  # processed at its firing by one fusedhooks::process op (see ops)
+                ops.fire_traced(hook, token, param)
+                return
+            if hook._paused:
+                return
+            grad = param.grad
+            if grad is None:
+                return
+            backward_key = graph_task_id()
+            key, pending = self._last
+            pending = pending() if key == backward_key else None
+            if (pending is None or pending.done or grad.requires_grad or self.at_firing or entry.sharded
+                    or entry.has_later_hooks(param)):  # not the common case: the one backward running, already seen
+                pending = self._enqueue(entry, param, grad, backward_key)
+                if pending is None:
+                    return
+            ident = id(param)
+            if ident in pending.seen:  # a second firing in the same backward is processed once
+                return
+            pending.seen.add(ident)
+            bucket_key = (grad.device, grad.dtype)
+            bucket = pending.buckets.get(bucket_key)
+            if bucket is None:
+                bucket = pending.buckets[bucket_key] = _Bucket()
+            bucket.items.append((entry, param))
+            bucket.nbytes += grad.nbytes
+            if bucket.nbytes >= entry.bucket_bytes:
+                pending.flush(bucket_key)
+        return enqueue
+
+    def _enqueue(self, entry: Entry, param: torch.Tensor, grad: torch.Tensor, backward_key: int
+                 ) -> PendingBackward | None:
+        """The firing's checks, when it is not the common case: the pending state of its backward that `param`'s
+        gradient goes into, or None when it is processed now or not at all."""
         hook = self._hook()
         if hook is None:
-            return
+            return None
         if entry.sharded is None:
             entry.sharded = distributed.is_dtensor(grad)
         if not hook._distributed_checked and not entry.sharded:
@@ -151,7 +183,7 @@ class Buckets:
         if (backward_key < 0 or grad.requires_grad or entry.has_later_hooks(param) or self.at_firing
                 or entry.sharded):
             hook.fire(param, entry, backward_key)
-            return
+            return None
         with self._lock:
             pending = self._running.get(backward_key)
             thread = threading.get_ident()
@@ -160,11 +192,10 @@ class Buckets:
                     if k != backward_key and not p.done and p.thread == thread):
                 # fired again inside a nested backward (reentrant checkpointing) while the outer backward
                 # still holds it: processed once, at the outer backward's end, on the full gradient
-                return
+                return None
             if pending is None:
                 pending = PendingBackward(hook, backward_key)
                 torch.autograd.Variable._execution_engine.queue_callback(pending.flush_all)
                 self._running[backward_key] = pending
-            self._last = (backward_key, weakref.ref(pending))
-        if param not in pending:  # a second firing in the same backward is processed once, too
-            pending.add(entry, param, grad)
+            self._last = (backward_key, weakref.ref(pending)) if len(self._running) == 1 else _NOT_ALONE
+        return pending

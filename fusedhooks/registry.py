@@ -54,6 +54,12 @@ class Entry:
         return bool(hooks) and self.torch_hook_id is not None and next(reversed(hooks)) != self.torch_hook_id
 
 
+def record_all(entries: list[Entry], grads: list[torch.Tensor]) -> None:
+    """`entry.record(grad)` for each pair (a bucket's), in one call."""
+    for entry, grad in zip(entries, grads):
+        entry.measured = Measurement(weakref.ref(grad), grad._version)
+
+
 class Registry:
     """The live registrations of one hook, in registration order, and their rows in `stats`.
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import array
+import functools
+import operator
 import os
 import threading
 from dataclasses import dataclass, field
@@ -308,7 +311,9 @@ class BucketTable:
     n_tensors: int
     n_programs: int
     partial_values: int  # fp64 partials the bucket needs, all gradients together
+    sizes_aligned: bool  # every gradient's size a multiple of 16 bytes
     addresses: tuple = ()  # the grad (then param) addresses the table holds now
+    aligned: bool = False  # the ALIGNED hint of the gradients at `addresses` (see `aligned`)
     host: torch.Tensor | None = None  # the pinned copy a CUDA table came from (kept alive until replaced)
     bound: dict = field(default_factory=dict)  # ALIGNED hint -> Bound
 
@@ -317,20 +322,21 @@ class BucketTable:
         param addresses); stream-ordered after launches already queued."""
         if addresses == self.addresses:
             return
-        values = torch.tensor(addresses, dtype=torch.int64)
+        values = torch.frombuffer(array.array("q", addresses), dtype=torch.int64)  # cheaper than torch.tensor
         if self.table.device.type == "cuda":
             values = values.pin_memory()
             self.table[:len(addresses)].copy_(values, non_blocking=True)
             self.host = values
         else:
-            self.table[:len(addresses)] = values
+            self.table[:len(addresses)].copy_(values)
         self.addresses = addresses
+        self.aligned = self.sizes_aligned and functools.reduce(operator.or_, addresses) % 16 == 0
 
 
-def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: int, device: torch.device
-                 ) -> BucketTable:
-    """The table for gradients of `numels` elements (non-empty) with statistics rows `rows`, addresses unset
-    (see `BucketTable.point_to`); spec: the kernels' LaunchSpec."""
+def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: int, device: torch.device,
+                 element_size: int) -> BucketTable:
+    """The table for gradients of `numels` elements (non-empty) of `element_size` bytes with statistics rows `rows`,
+    addresses unset (see `BucketTable.point_to`); spec: the kernels' LaunchSpec."""
     n = len(numels)
     blocks = [-(-numel // block) for numel in numels]
     offsets, total = [], 0
@@ -347,39 +353,39 @@ def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: in
         table = host.to(device, non_blocking=True)
     else:
         table, host = host, None
-    return BucketTable(table, n, sum(blocks), max(total, 1), host=host)
+    sizes_aligned = all(numel * element_size % 16 == 0 for numel in numels)
+    return BucketTable(table, n, sum(blocks), max(total, 1), sizes_aligned, host=host)
 
 
-def fire_bucket(plan: Plan, module, items: list[tuple[torch.Tensor, torch.Tensor, int]],
+def fire_bucket(plan: Plan, module, grads: list[torch.Tensor], params: list[torch.Tensor], rows: list[int],
                 scalars: list[torch.Tensor], stats: torch.Tensor | None, workspace: Workspace,
                 amp: tuple | None = None) -> None:
-    """Apply `plan` to every (grad, param, stats row) of `items` with one launch per pass; no host sync.
+    """Apply `plan` to every gradient of `grads` (of `params`, with statistics rows `rows`) with one launch per pass;
+    no host sync.
 
     Every grad must be non-empty, one flat span of storage (see `layout.flat_span`: its data_ptr and numel
     are those of the span), of plan.dtype on one device; with a param-reading body, each param must be a flat
     span with its grad's strides.
     """
-    grads = [g for g, _, _ in items]
-    numels = tuple(g.numel() for g in grads)
-    rows = tuple(r for _, _, r in items)
-    addresses = tuple(g.data_ptr() for g in grads)
+    numels = tuple(map(torch.Tensor.numel, grads))
+    addresses = tuple(map(torch.Tensor.data_ptr, grads))
     if plan.graph.uses_param:
-        addresses += tuple(p.data_ptr() for _, p, _ in items)
+        addresses += tuple(map(torch.Tensor.data_ptr, params))
+    rows = tuple(rows)
     key = (module, numels, rows)
     table = workspace.tables.get(key)
-    device = grads[0].device
+    device, dtype = grads[0].device, grads[0].dtype
     if table is None:
         if len(workspace.tables) > 64:  # bucket layouts keep changing: keep the cache small
             workspace.tables.clear()
-        table = workspace.tables[key] = bucket_table(module.SPEC, numels, rows,
-                                                            block_size(module, device, grads[0].dtype), device)
+        table = workspace.tables[key] = bucket_table(module.SPEC, numels, rows, block_size(module, device, dtype),
+                                                     device, grads[0].element_size())
     table.point_to(addresses)
-    elsize = grads[0].element_size()
-    hint = all(a % 16 == 0 for a in addresses) and all(n * elsize % 16 == 0 for n in numels)
+    hint = table.aligned
     bound = table.bound.get(hint)
     if bound is None:
-        block = block_size(module, device, grads[0].dtype)
-        meta = kernel_meta(module, device, sum(numels), block, hint, grads[0].dtype)
+        block = block_size(module, device, dtype)
+        meta = kernel_meta(module, device, sum(numels), block, hint, dtype)
         values = {"table": table.table, "n_tensors": table.n_tensors, "partial_values": table.partial_values}
         bound = table.bound[hint] = bind(module, True, table.n_programs, workspace, scalars, values, meta)
     tensors = {"stats": stats}

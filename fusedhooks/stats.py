@@ -98,6 +98,12 @@ class HookStats:
             row = self._rows[index] = self._buffer[index]
         return row
 
+    def mark_written(self, indices: list[int]) -> None:
+        """Rows `indices` are written by the current backward (a bucket's kernels write them through its table)."""
+        written, backward = self._written, self._backward
+        for index in indices:
+            written[index] = backward
+
     def read(self) -> StatsReading:
         """{parameter name: {statistic: value}} for every parameter that fired; one device-to-host copy.
 

@@ -114,3 +114,102 @@ def test_large_temporaries_are_reused_between_firings():
     assert first
     hook(p)
     assert {dtype: t.data_ptr() for dtype, t in workspace._scratch.items()} == first
+
+
+# --- the lean firing (GradHook._eager_firing): what process() does, with fewer lookups ------------------------
+
+
+def _spy_process(hook, monkeypatch) -> list:
+    """The gradients hook.process() (the full path) is called with."""
+    calls, process = [], hook.process
+    monkeypatch.setattr(hook, "process", lambda entry, grad, *args: (calls.append(grad), process(entry, grad, *args)))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("stats", [(), "all"], ids=["no_stats", "all_stats"])
+def test_the_lean_firing_equals_the_full_path(dtype, stats, monkeypatch):
+    scale = torch.tensor(0.5)
+    hooks = [fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0) * scale, stats=stats, backend="eager") for _ in range(2)]
+    lean, full = hooks
+    params = [torch.nn.Parameter(torch.zeros(64, 33, dtype=dtype)) for _ in hooks]
+    for hook, p in zip(hooks, params):
+        hook.register(p, name="w")
+    calls = _spy_process(lean, monkeypatch)
+    for _ in range(3):
+        grad = torch.randn(64, 33, dtype=dtype) * 2
+        for p in params:
+            p.grad = grad.clone()
+        versions = [p.grad._version for p in params]
+        lean(params[0])  # the first firing goes through process() and leaves the lean firing behind
+        full.process(full.registry.get(params[1]), params[1].grad, params[1], -1)
+        assert torch.equal(params[0].grad, params[1].grad)
+        assert params[0].grad._version - versions[0] == params[1].grad._version - versions[1] > 0
+        assert lean.stats.read() == full.stats.read()
+        if stats:
+            assert lean.registry.get(params[0]).measured.describes(params[0].grad)
+    assert len(calls) == 1 and dtype in lean._eager_firings
+    if stats:
+        norms = [fh.clip_grad_norm_(hook, 0.1) for hook in hooks]
+        assert torch.equal(norms[0], norms[1]) and torch.equal(params[0].grad, params[1].grad)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_the_lean_firing_steps_aside(monkeypatch):
+    hook = fh.grad_hook(lambda grad: grad * 2.0, stats=("norm",), backend="eager")
+    p = torch.nn.Parameter(torch.zeros(8))
+    q = torch.nn.Parameter(torch.zeros(8, dtype=torch.float64))
+    hook.register([("p", p), ("q", q)])
+    calls = _spy_process(hook, monkeypatch)
+    p.grad = torch.ones(8)
+    hook(p)
+    hook(p)
+    assert len(calls) == 1 and torch.equal(p.grad, torch.full((8,), 4.0))
+    with hook.paused():
+        hook(p)
+    assert torch.equal(p.grad, torch.full((8,), 4.0))
+    q.grad = torch.ones(8, dtype=torch.float64)  # another dtype: its own first firing through process()
+    hook(q)
+    assert len(calls) == 2 and torch.equal(q.grad, torch.full((8,), 2.0, dtype=torch.float64))
+    for grad in (torch.ones(8).as_subclass(_Subclass),  # not a plain tensor (a DTensor is not either)
+                 torch.ones(8, requires_grad=True) * 1.0):  # create_graph=True: autograd records the body
+        p.grad = grad
+        hook(p)
+        assert calls[-1] is grad
+        assert torch.equal(p.grad.detach(), torch.full((8,), 2.0))
+    assert len(calls) == 4
+    assert hook.stats.read()["p"]["norm"] == pytest.approx(math.sqrt(8 * 4.0))
+
+
+def test_the_lean_firing_in_a_backward():
+    hook = fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0), stats=("max",), backend="eager")
+    w = torch.nn.Parameter(torch.zeros(4))
+    hook.register(w, name="w")
+    for step in range(3):
+        w.grad = None
+        (w * torch.tensor([3.0, -3.0, 0.5, 1.0]) * (step + 1)).sum().backward()
+        assert torch.equal(w.grad, torch.tensor([1.0, -1.0, min(0.5 * (step + 1), 1.0), 1.0]))
+        assert hook.stats.read()["w"].fresh
+    assert torch.float32 in hook._eager_firings
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])
+def test_a_large_gradient_goes_block_by_block_with_the_same_bits(contiguous):
+    scale = torch.tensor(0.75)
+    hook = fh.grad_hook(lambda grad, param: grad.clamp(-1.0, 1.0) * scale + param * 1e-3, stats=("norm", "max"),
+                        backend="eager")
+    assert "cache_blocks(grad, param)" in eager.compile_body(hook._graph(torch.float32)).source
+    numel = 4 * eager.CACHE_BLOCK_BYTES // 4 + 4099  # more than four blocks, the last one partial
+    param = torch.randn(numel // 3, 3)
+    grad = torch.randn(numel // 3, 3) * 2
+    if not contiguous:
+        param, grad = param.t().contiguous().t(), grad.t().contiguous().t()
+    expected = grad.clamp(-1.0, 1.0) * scale + param * 1e-3
+    p = fire(hook, grad, param)
+    assert torch.equal(p.grad, expected)
+    assert hook.stats.read()["p"]["max"] == expected.max().item()
+    assert "cache_blocks" not in eager.compile_body(hook._graph(torch.bfloat16)).source  # bound by conversions
+    assert "cache_blocks" not in eager.compile_body(fh.grad_hook(lambda g: g / g.norm())._graph(torch.float32)).source
