@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import threading
@@ -13,14 +14,27 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every firing
 
-from . import codegen, distributed, eager, gates, ops, runtime
+from . import codegen, distributed, eager, gates, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
 from .registry import Entry, Registry
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
+
+# every hook by a process-unique int: what a firing under torch.compile names it by (see ops.py)
+HOOKS: weakref.WeakValueDictionary[int, GradHook] = weakref.WeakValueDictionary()
+_hook_keys = itertools.count(1)
+
+
+def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
+    """A firing while torch.compile traces the hook (compiled autograd): one fusedhooks::fire op."""
+    from . import ops
+
+    ops.fire_compiling(hook, param)
+
 
 #: the shape a body is first lowered for, at decoration
 REPRESENTATIVE_SHAPE = (3, 3, 3, 3, 3, 3)
@@ -139,6 +153,8 @@ class GradHook:
         self._eager_firings: dict[torch.dtype, Callable] = {}  # dtype -> _eager_firing of CPU gradients (eager)
         self._workspaces: dict[tuple, runtime.Workspace] = {}
         self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
+        self._op_key = next(_hook_keys)
+        HOOKS[self._op_key] = self
         if fn is not None:
             functools.update_wrapper(self, fn, updated=())
         else:
@@ -148,8 +164,8 @@ class GradHook:
 
     def __call__(self, arg):
         if isinstance(arg, torch.Tensor):
-            if torch.compiler.is_compiling():
-                ops.fire_untraced(self, arg)
+            if _is_compiling():
+                _fire_compiling(self, arg)
             elif not self._paused:
                 self.fire(arg)
             return None
@@ -159,7 +175,8 @@ class GradHook:
         raise TypeError(f"a compiled hook is called with a parameter tensor (as torch does), not "
                         f"{type(arg).__name__}")
 
-    def fire(self, param: torch.Tensor, entry: Entry | None = None, backward_key: int | None = None) -> None:
+    def fire(self, param: torch.Tensor, entry: Entry | None = None, backward_key: int | None = None,
+             grad: torch.Tensor | None = None) -> None:
         """Process `param.grad` now, in place, and record its statistics (one firing).
 
         entry: its registration (looked up, or made for a tensor registered through torch directly);
@@ -167,10 +184,12 @@ class GradHook:
         itself requires grad (backward(create_graph=True)) the body runs as eager torch ops that autograd
         records, as an eager hook's would, instead of a kernel writing behind autograd's back. A sharded
         (FSDP2, DTensor) gradient is processed on this rank's shard; its statistics, those of the whole
-        parameter, are merged across ranks when the backward ends (see `distributed.ShardStats`)."""
-        grad = param.grad
+        parameter, are merged across ranks when the backward ends (see `distributed.ShardStats`). grad: the
+        gradient to process instead of `param.grad` (compiled autograd hands it over before setting .grad)."""
         if grad is None:
-            return
+            grad = param.grad
+            if grad is None:
+                return
         if entry is None:
             entry = self.registry.get(param) or self._add(self._auto_name(), param)
         backward_key = torch._C._current_graph_task_id() if backward_key is None else backward_key
@@ -187,11 +206,9 @@ class GradHook:
             self._check_distributed(entry, backward_key)
         self.process(entry, grad, param, backward_key)
 
-    def process(self, entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int,
-                stats: torch.Tensor | None = None) -> None:
+    def process(self, entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
         """Apply the body to `grad` (param.grad, or DDP's averaged bucket view of it) in place and record its
-        statistics in `entry`'s row, as one firing of the backward `backward_key`. stats: the statistics buffer
-        to write the row into, when not `self.stats.tensor` itself (torch.compile's alias of it, `ops.process`)."""
+        statistics in `entry`'s row, as one firing of the backward `backward_key`."""
         self.stats.begin_firing(backward_key)
         if grad.requires_grad:
             compiled = self._compiled_for_autograd(grad.dtype, grad.shape)
@@ -200,7 +217,7 @@ class GradHook:
         if entry.checked_shape != grad.shape:
             self._check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
-        stats_row = self.stats.row(entry.row, stats) if compiled.plan.slots else None
+        stats_row = self.stats.row(entry.row) if compiled.plan.slots else None
         amp = self.amp_tensors(grad.device) if compiled.plan.amp else None
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
                      self._workspace_for(grad), amp)
@@ -529,12 +546,10 @@ class GradHook:
 
     def _at_firing(self, entry: Entry):
         """The torch hook of a tensor registered by register() (bucket_mb=0): `hook(param)` for its entry; while
-        torch.compile traces it, one `fusedhooks::process` op (see `ops`)."""
-        key = ops.token(self, entry)
-
+        torch.compile traces it, one `fusedhooks::fire` op (see `ops`)."""
         def fire(param: torch.Tensor) -> None:
-            if torch.compiler.is_compiling():
-                ops.fire_traced(self, key, param)
+            if _is_compiling():
+                _fire_compiling(self, param)
             elif not self._paused:
                 self.fire(param, entry if entry.ref() is param else None)
         return fire

@@ -15,8 +15,9 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+from torch.compiler import is_compiling as _is_compiling
 
-from . import distributed, ops, runtime
+from . import distributed, runtime
 from .layout import flat_span
 from .registry import Entry, record_all
 
@@ -133,14 +134,15 @@ class Buckets:
         must be final before anything else runs (a post-accumulate hook registered after ours on the tensor), when
         autograd records the body (`.grad` requires grad: create_graph=True), outside a backward, for a sharded
         (FSDP2) gradient, in a process group of several ranks (see GradHook._check_distributed), and while
-        torch.compile traces it (one `fusedhooks::process` op, see `ops`)."""
+        torch.compile traces it (one `fusedhooks::fire` op, see `ops`)."""
         hook = self._hook()  # held by the torch hook, as the GradHook's own methods hold it
         graph_task_id = torch._C._current_graph_task_id
-        token = ops.token(hook, entry)
 
         def enqueue(param: torch.Tensor) -> None:
-            if torch.compiler.is_compiling():  # processed at its firing by one fusedhooks::process op (see ops)
-                ops.fire_traced(hook, token, param)
+            if _is_compiling():  # processed at its own firing by one fusedhooks::fire op (see ops)
+                from .api import _fire_compiling
+
+                _fire_compiling(hook, param)
                 return
             if hook._paused:
                 return

@@ -7,8 +7,6 @@ import weakref
 
 import torch
 
-from . import ops
-
 
 class _Running:
     """Queued as an end-of-backward callback: alive while its backward runs (a backward that raises drops its
@@ -82,6 +80,8 @@ def gated(fire, when):
 
     def hook(param: torch.Tensor) -> None:
         if torch.compiler.is_compiling():
+            from . import ops
+
             ops.outside_graph(run, param)
         else:
             run(param)

@@ -87,12 +87,10 @@ class HookStats:
         """Has row `index` been written since registration or reset()?"""
         return self._written[index] > 0
 
-    def row(self, index: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    def row(self, index: int) -> torch.Tensor:
         """Row `index` of the buffer, marked as written by the current backward (a view, cached; the kernel
-        writes into it). buffer: take the row from this alias of the buffer instead (torch.compile's)."""
+        writes into it)."""
         self._written[index] = self._backward
-        if buffer is not None:
-            return buffer[index]
         row = self._rows.get(index)
         if row is None:
             row = self._rows[index] = self._buffer[index]

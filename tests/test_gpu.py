@@ -130,35 +130,3 @@ def test_no_host_sync_in_a_firing():
         torch.cuda.set_sync_debug_mode("default")
     assert hook.stats.read()["0.weight"]["count"] == 64 * 64
 
-
-def test_compiled_autograd_with_inductor_cuda():
-    """A torch.compile'd model on CUDA with its backward under compiled autograd (inductor): the hooks are
-    fusedhooks::process ops in the compiled backward; gradients and statistics equal an eager run's."""
-    from torch._dynamo.utils import counters
-
-    def run(compiled: bool):
-        torch._dynamo.reset()
-        counters.clear()
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)).cuda()
-        hook = fh.grad_hook(lambda grad: grad.clamp(-0.01, 0.01) * 0.5, stats=("norm", "max", "nan"))
-        hook.register(model)
-        forward = torch.compile(model) if compiled else model
-        for step in range(3):
-            x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
-            model.zero_grad()
-            loss = forward(x).pow(2).mean()
-            if compiled:
-                with torch._dynamo.compiled_autograd._enable(torch.compile()):
-                    loss.backward()
-            else:
-                loss.backward()
-        return [p.grad.clone() for p in model.parameters()], hook.stats.read(), sum(counters["graph_break"].values())
-
-    grads, stats, _ = run(False)
-    grads_c, stats_c, breaks = run(True)
-    assert breaks == 0
-    for g, h in zip(grads, grads_c):  # inductor's matmuls may round differently
-        torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-6)
-    for name in stats:
-        assert stats_c[name] == pytest.approx(stats[name], rel=1e-3, abs=1e-7)
