@@ -407,7 +407,11 @@ class GradHook:
             if not self.reduces_over_dims:
                 raise
             raise CompileError(f"{self.__name__} does not fit {name} (shape {tuple(t.shape)}): {e}") from None
-        if torch.broadcast_shapes(result_shape, t.shape) != t.shape:
+        try:
+            fits = torch.broadcast_shapes(result_shape, t.shape) == t.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
             raise CompileError(f"{self.__name__}: the body's result has shape {result_shape}, which does not "
                                f"broadcast to the gradient of {name} (shape {tuple(t.shape)})")
 

@@ -279,8 +279,13 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
         v = bool(v) if isinstance(v, bool) else int(v) if isinstance(v, numbers.Integral) else float(v)
         return add("const", None, False, v, value=v)
 
+    pairs: set[str] = set()  # fx nodes of max(dim)/min(dim): (values, indices), read through .values or [0]
+
     def arg(a, op):
         if isinstance(a, fx.Node):
+            if a.name in pairs:
+                raise CompileError(f"cannot compile {body.name}: `{op}` got the (values, indices) pair of max(dim)/"
+                                   "min(dim); take its .values (or [0])")
             return value_of[root_of[a.name]]
         if is_number(a):
             return const(a)
@@ -293,6 +298,14 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
     placeholders = 0
     result = None
     for fxn in body.graph.nodes:
+        if (fxn.op == "call_function" and fxn.target in (getattr, operator.getitem)
+                and isinstance(fxn.args[0], fx.Node) and fxn.args[0].name in pairs):
+            if fxn.args[1] not in ("values", 0):
+                raise CompileError(f"cannot compile {body.name}: the indices of max(dim)/min(dim) are not "
+                                   "supported; take its .values (or [0])")
+            value_of[fxn.name] = value_of[root_of[fxn.args[0].name]]
+            root_of[fxn.name] = fxn.name
+            continue
         if fxn.op == "placeholder":
             kind = ("grad", "param")[placeholders]
             placeholders += 1
@@ -308,7 +321,7 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
             if out is None:
                 result = value_of[_first_placeholder(body)]
             elif isinstance(out, fx.Node):
-                result = value_of[root_of[out.name]]
+                result = arg(out, "return")
             elif is_number(out):
                 result = _op_node(add, "full_like", {"input": value_of[_first_placeholder(body)],
                                                       "fill_value": out, "dtype": None}, metas, body, shape)
@@ -329,9 +342,14 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
             kwargs = dict(fxn.kwargs)
             if op in ("var", "std") and len(raw) > 1 and isinstance(raw[1], bool):  # var(unbiased), not var(dim)
                 kwargs["unbiased"] = raw.pop(1)
-            if op in ("max", "min") and ("dim" in kwargs or (len(raw) > 1 and is_number(raw[1]))):
-                raise CompileError(f"cannot compile {body.name}: `{op}(dim)` returns values and indices; use "
-                                   f"`amax(dim)`/`amin(dim)` for the values (indices are not supported)")
+            pair = op in ("max", "min") and ("dim" in kwargs or (len(raw) > 1 and is_number(raw[1])))
+            if pair:  # max(dim)/min(dim): its values are amax(dim)/amin(dim), NaN included
+                dim = kwargs.pop("dim") if "dim" in kwargs else raw.pop(1)
+                if isinstance(dim, bool) or not isinstance(dim, int):
+                    raise CompileError(f"cannot compile {body.name}: `{op}(dim)` takes one dimension, an int, as "
+                                       f"torch's does (amax/amin take a tuple); got {dim!r}")
+                kwargs["dim"] = dim
+                op = "amax" if op == "max" else "amin"
             try:
                 bound = bind(op, tuple(raw), kwargs)
             except TypeError as e:
@@ -374,6 +392,8 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
                 raise CompileError(f"cannot compile {body.name}: div(rounding_mode={args['rounding_mode']!r}) "
                                    "is not supported; only true division")
             n = _op_node(add, op, args, metas, body, shape)
+            if pair:
+                pairs.add(fxn.name)
             if inplace:
                 root = root_of[fxn.args[0].name]
                 target = value_of[root]

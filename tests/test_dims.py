@@ -33,6 +33,8 @@ BODIES = {
     "unsqueeze": (lambda g: g / (g.norm(dim=1).unsqueeze(1) + 1e-3), [(5, 13), (4, 5, 6)]),
     "mixed_with_whole": (lambda g: g / (g.norm(dim=0) + g.norm() + 1e-3), [(7,), (5, 13)]),
     "nested": (lambda g: g / (g.abs().sum(dim=1, keepdim=True).amax() + 1), [(5, 13), (3, 4, 5, 6)]),
+    "max_min_values": (lambda g: g / (g.max(dim=1).values.unsqueeze(1) - torch.min(g, 1, keepdim=True)[0] + 1),
+                       [(5, 13), (1, 9), (9, 1)]),
 }
 CASES = [(name, shape) for name, (_, shapes) in BODIES.items() for shape in shapes]
 
@@ -135,12 +137,23 @@ def test_auto_falls_back_to_eager_torch_with_one_warning_and_triton_is_refused(m
 
 
 def test_refusals_at_decoration():
-    with pytest.raises(CompileError, match=r"`max\(dim\)` returns values and indices; use `amax\(dim\)`"):
-        fh.grad_hook(lambda g: g / g.max(dim=1).values)
-    with pytest.raises(CompileError, match=r"`min\(dim\)`"):
-        fh.grad_hook(lambda g: g - g.min(0)[0])
+    with pytest.raises(CompileError, match=r"got the \(values, indices\) pair of max\(dim\)/min\(dim\); take its "
+                                           r"\.values"):
+        fh.grad_hook(lambda g: g / g.max(dim=1))
+    with pytest.raises(CompileError, match="indices of max\\(dim\\)/min\\(dim\\) are not supported"):
+        fh.grad_hook(lambda g: g * g.min(0).indices)
+    with pytest.raises(CompileError, match="indices of max"):
+        fh.grad_hook(lambda g: g * g.max(0)[1])
+    with pytest.raises(CompileError, match=r"`max\(dim\)` takes one dimension, an int"):
+        fh.grad_hook(lambda g: g / g.max(dim=(0, 1)).values)
     with pytest.raises(CompileError, match="dim= as an int or a non-empty tuple of ints"):
         fh.grad_hook(lambda g: g / g.sum(dim=1.5))
+
+
+def test_a_result_that_does_not_broadcast_is_refused_at_register():
+    with pytest.raises(CompileError, match=r"result has shape \(3,\), which does not broadcast to the gradient of w"):
+        fh.grad_hook(lambda g: g.norm(dim=1), backend="reference").register([("w", torch.nn.Parameter(
+            torch.zeros(3, 4)))])
 
 
 def test_whole_tensor_var_with_a_positional_unbiased_is_still_var():
