@@ -49,11 +49,6 @@ class UnitwiseClip(GradHook):
             body = self._bodies[rank] = trace(agc_body(rank, self.clip_factor, self.eps))
         return body
 
-    def __call__(self, arg):
-        if not isinstance(arg, torch.Tensor):
-            raise TypeError(f"an agc hook is called with a parameter tensor (as torch does), not {type(arg).__name__}")
-        return super().__call__(arg)
-
 
 def agc(clip_factor: float = 0.01, eps: float = 1e-3, **options) -> UnitwiseClip:
     """Unit-wise adaptive gradient clipping as timm defines it (`timm.utils.agc.adaptive_clip_grad`): for each

@@ -26,6 +26,13 @@ class StatsReading(dict):
         return [name for name, row in self.items() if not row.fresh]
 
 
+def scalars_of(reading: StatsReading, prefix: str) -> dict[str, float | int]:
+    """`HookStats.to_scalars` of a `read()` already made: its fresh rows, flat, histograms left out."""
+    return {f"{prefix}{name}/{stat}": value
+            for name, row in reading.items() if row.fresh
+            for stat, value in row.items() if not stat.endswith("hist")}
+
+
 class HookStats:
     """Statistics a hook records, one row per registered parameter.
 
@@ -130,9 +137,7 @@ class HookStats:
         read()'s order; counts are ints, the rest floats. Only rows written by the most recent backward in which
         the hook fired (`read().stale` are left out, so that a frozen parameter's old values are not logged
         again as new); histograms are left out (`histogram()` gives them)."""
-        return {f"{prefix}{name}/{stat}": value
-                for name, row in self.read().items() if row.fresh
-                for stat, value in row.items() if not stat.endswith("hist")}
+        return scalars_of(self.read(), prefix)
 
     def histogram(self, name: str, input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(counts, edges) of parameter `name`'s "hist" (of the input gradient if `input`); one sync.

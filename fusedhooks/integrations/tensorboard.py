@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from ..api import GradHook
+from ..stats import scalars_of
 
 
 def log_to_tensorboard(writer, hook: GradHook, step: int, prefix: str = "grad/", histograms: bool = True) -> dict:
@@ -25,16 +26,11 @@ def log_to_tensorboard(writer, hook: GradHook, step: int, prefix: str = "grad/",
     reading = hook.stats.read()
     lo, hi = hook.stats.hist_range
     limits = [2.0 ** (k + 1) for k in range(lo, hi)]
-    scalars = {}
     for name, row in reading.items():
-        if not row.fresh:
-            continue
         for stat, value in row.items():
-            if stat.endswith("hist"):
-                if histograms:
-                    _add_histogram(writer, f"{prefix}{name}/{stat}", value, lo, limits, step)
-            else:
-                scalars[f"{prefix}{name}/{stat}"] = value
+            if histograms and row.fresh and stat.endswith("hist"):
+                _add_histogram(writer, f"{prefix}{name}/{stat}", value, lo, limits, step)
+    scalars = scalars_of(reading, prefix)
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, global_step=step)
     return scalars
