@@ -13,8 +13,10 @@ from .trace import TracedBody, trace
 
 def agc_body(rank: int, clip_factor: float, eps: float):
     """timm's AGC for a gradient of `rank` dimensions: each unit (output row: all dimensions but the first; the
-    whole tensor for rank <= 1) is scaled down to at most `clip_factor` times its parameter's norm (at least eps)."""
-    dims = tuple(range(1, rank)) if rank > 1 else None
+    whole tensor for rank <= 1) is scaled down to at most `clip_factor` times its parameter's norm (at least eps).
+    A 1-d tensor's norm is taken over dim 0 with keepdim (the same value): every rank >= 1 then has one unit kind,
+    one span each, and the Triton backend runs them all with one kernel (a bucket of any shapes: one launch)."""
+    dims = tuple(range(1, rank)) if rank > 1 else (0,) if rank == 1 else None
 
     def unitwise_norm(x):
         return x.norm(2.0) if dims is None else x.norm(2.0, dim=dims, keepdim=True)

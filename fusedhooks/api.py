@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every firing
 
-from . import codegen, distributed, eager, gates, runtime
+from . import codegen, dims, distributed, eager, gates, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
@@ -138,7 +138,7 @@ class GradHook:
         # every "cannot compile" error surfaces now, at decoration (of a body that reduces over dimensions: those
         # that hold for a 6-d gradient; its fit to each parameter's shape is checked at register)
         graph, _ = lower(self._body, torch.float32, REPRESENTATIVE_SHAPE)
-        #: the body reduces over some dimensions: it is lowered for each gradient shape (and runs as eager torch)
+        #: the body reduces over some dimensions: it is lowered and planned for each gradient shape
         self.reduces_over_dims = graph.reduces_over_dims
         self._dims_warned = False
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
@@ -373,21 +373,26 @@ class GradHook:
             return Compiled(plan, codegen.load(*codegen.generate_with_spec(plan, device.type)))
         return Compiled(plan, eager.compile_body(plan.graph) if backend == "eager" else None)
 
-    def _backend_for(self, device: torch.device, graph: Graph) -> str:
-        """runtime.choose_backend, except that a body reducing over dimensions has no Triton kernels yet: with
-        backend "auto" it runs as eager torch ops (the reference backend; warned once), "triton" is refused."""
+    def _backend_for(self, device: torch.device, graph: Graph, warn: bool = True) -> str:
+        """runtime.choose_backend, except for a body reducing over dimensions that the Triton kernels do not compile
+        (see dims.analyse): with backend "auto" it runs as eager torch ops (the reference backend; warned once),
+        "triton" is refused."""
         backend = runtime.choose_backend(device, self.backend)
         if backend != "triton" or not graph.reduces_over_dims:
             return backend
+        try:
+            dims.analyse(graph)
+            return backend
+        except dims.Unsupported as e:
+            reason = str(e)
         if (self.backend or os.environ.get("FUSEDHOOKS_BACKEND")) == "triton":
-            raise CompileError(f"{self.__name__} reduces over dimensions (dim=) or reshapes a value, which the "
-                               "Triton backend does not compile yet; use backend='reference' (eager torch ops, on "
-                               "any device) or, on CPU, backend='eager'")
-        if not self._dims_warned:
+            raise CompileError(f"{self.__name__} has {reason}, which the Triton backend does not compile; use "
+                               "backend='reference' (eager torch ops, on any device) or, on CPU, backend='eager'")
+        if warn and not self._dims_warned:
             self._dims_warned = True
-            warnings.warn(f"fusedhooks: {self.__name__} reduces over dimensions (dim=), which is not compiled into "
-                          "Triton kernels yet: it runs as eager torch ops (backend='reference'), with the same "
-                          "results; pass backend='reference' to silence this warning", stacklevel=6)
+            warnings.warn(f"fusedhooks: {self.__name__} has {reason}, which is not compiled into Triton kernels: it "
+                          "runs as eager torch ops (backend='reference'), with the same results; pass "
+                          "backend='reference' to silence this warning", stacklevel=6)
         return "reference"
 
     def _compiled_for_autograd(self, dtype: torch.dtype, shape: tuple | None = None) -> Compiled:
@@ -620,24 +625,24 @@ class GradHook:
         if shape is not None:
             numel = math.prod(shape)
         graph = self._graph(dtype, shape)
-        backend = runtime.choose_backend(device, self.backend)
-        if backend == "triton" and graph.reduces_over_dims:
-            backend = "reference"  # what such a body runs on (see _backend_for)
+        backend = self._backend_for(device, graph, warn=False)
         module = None
         if backend == "triton" and numel and runtime.tuning.cache_path().exists():  # a tuned BLOCK applies
-            module = self.compiled(dtype, device).kernel
+            module = self.compiled(dtype, device, shape=shape).kernel
         block = runtime.launch_config(numel, device.type, module, device, dtype)[0] if numel else None
         return make_plan(graph, self.stat_names, self.input_stat_names, numel, backend,
                          amp=self._amp, hist_range=self.hist_range, block=block)
 
-    def source(self, dtype: torch.dtype = torch.float32, device_type: str = "cuda") -> str:
-        """The generated Triton source for gradients of `dtype`."""
-        if self.reduces_over_dims:
-            raise CompileError(f"{self.__name__} reduces over dimensions: it runs as eager torch ops, not as a "
-                               "Triton kernel (not compiled yet)")
-        plan = make_plan(self._graph(dtype), self.stat_names, self.input_stat_names, amp=self._amp,
+    def source(self, dtype: torch.dtype = torch.float32, device_type: str = "cuda", shape: tuple | None = None
+               ) -> str:
+        """The generated Triton source for gradients of `dtype` (and `shape`: needed by a body that reduces over
+        dimensions)."""
+        plan = make_plan(self._graph(dtype, shape), self.stat_names, self.input_stat_names, amp=self._amp,
                          hist_range=self.hist_range)
-        return codegen.generate(plan, device_type)
+        try:
+            return codegen.generate(plan, device_type)
+        except dims.Unsupported as e:
+            raise CompileError(f"{self.__name__} has {e}: it runs as eager torch ops, not as Triton kernels") from None
 
     @property
     def _amp(self) -> bool:

@@ -74,12 +74,26 @@ def process_together(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torc
     pass for those that can share it, the others (empty, not dense, a shape not yet checked) one by one."""
     if not items:
         return
-    if hook.reduces_over_dims:  # a plan per gradient shape (not compiled into Triton kernels yet): one by one
-        for entry, grad, p in items:
-            hook.process(entry, grad, p, backward_key)
+    if not hook.reduces_over_dims:
+        _process_bucket(hook, items, backward_key, None)
         return
+    # a plan per gradient shape; gradients whose kernels are the same (one-pass kernels over units take the sizes as
+    # arguments) share a bucket
     device, dtype = items[0][1].device, items[0][1].dtype
-    compiled = hook.compiled(dtype, device)
+    groups: dict[object, list] = {}
+    for item in items:
+        compiled = hook.compiled(dtype, device, shape=item[1].shape)
+        groups.setdefault(compiled.kernel if compiled.plan.backend == "triton" else item[1].shape, []).append(item)
+    for group in groups.values():
+        _process_bucket(hook, group, backward_key, group[0][1].shape)
+
+
+def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch.Tensor]], backward_key: int,
+                    shape: tuple | None) -> None:
+    """`process_together` for gradients of one set of kernels (shape: one of theirs, for a body that reduces over
+    dimensions: their kernels index each gradient as contiguous)."""
+    device, dtype = items[0][1].device, items[0][1].dtype
+    compiled = hook.compiled(dtype, device, shape=shape)
     plan = compiled.plan
     hook.stats.begin_firing(backward_key)
     if plan.backend != "triton":
@@ -92,7 +106,7 @@ def process_together(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torc
     for entry, grad, p in items:
         if (grad.dtype == dtype and grad.get_device() == index and grad.is_cuda == is_cuda and not grad.requires_grad
                 and grad.numel() > 0 and entry.checked_shape == grad.shape
-                and (grad.is_contiguous() or flat_span(grad) is not None)
+                and (grad.is_contiguous() or (shape is None and flat_span(grad) is not None))
                 and (not uses_param or (p.stride() == grad.stride() and _dense(p)))):
             entries.append(entry)
             grads.append(grad)
@@ -103,8 +117,11 @@ def process_together(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torc
         rows = [entry.row for entry in entries]
         hook.stats.mark_written(rows)
         amp = hook.amp_tensors(device) if plan.amp else None
+        units = None
+        if compiled.kernel.SPEC.one_pass:
+            units = tuple(hook.compiled(dtype, device, shape=g.shape).plan.units.unit_sizes for g in grads)
         runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, hook.scalars,
-                            hook.stats.tensor if plan.slots else None, hook.workspace(device), amp)
+                            hook.stats.tensor if plan.slots else None, hook.workspace(device), amp, units)
         record_all(entries, grads)
 
 

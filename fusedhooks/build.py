@@ -54,9 +54,14 @@ class KernelReport:
                 f"st {bits(self.store_bits):>8} scalar-element {self.scalar_element_accesses!s:>3}")
 
 
+#: The gradient shape of the families whose bodies reduce over dimensions (planned per shape).
+DIMS_SHAPE = (4096, 1024)
+
+
 def families() -> dict[str, object]:
-    """Representative hooks, one per kernel family: name -> GradHook."""
-    from . import grad_hook
+    """Representative hooks, one per kernel family: name -> GradHook (planned for DIMS_SHAPE when its body reduces
+    over dimensions)."""
+    from . import agc, grad_hook
 
     return {
         "clip+scale+stats+hist": grad_hook(lambda g: g.clamp(-1.0, 1.0) * 0.5, stats="all",
@@ -65,6 +70,10 @@ def families() -> dict[str, object]:
         "normalise-by-norm": grad_hook(lambda g: g / g.norm(), stats=("norm",)),
         "standardise": grad_hook(lambda g: (g - g.mean()) / (g.std() + 1e-6)),
         "weight-decay(param)": grad_hook(lambda g, p: g + 1e-4 * p),
+        "agc(rows, one pass)": agc(0.01, stats=("norm",)),
+        "column-norm(two passes)": grad_hook(lambda g: g / (g.norm(dim=0, keepdim=True) + 1e-6)),
+        "factored(rows+columns+whole)": grad_hook(lambda g: g * (g * g).mean(dim=1, keepdim=True)
+                                                  * (g * g).mean(dim=0, keepdim=True) / (g * g).mean(dim=1).mean()),
     }
 
 
@@ -73,7 +82,7 @@ def _plans(hook, dtype: torch.dtype):
     from . import distributed
     from .plan import make_plan
 
-    graph = hook._graph(dtype)
+    graph = hook._graph(dtype, DIMS_SHAPE if hook.reduces_over_dims else None)
     yield "", make_plan(graph, hook.stat_names, hook.input_stat_names, hist_range=hook.hist_range)
     if hook.fn is not None and not graph.uses_param:
         yield "+amp", make_plan(graph, hook.stat_names, hook.input_stat_names, amp=True, hist_range=hook.hist_range)
@@ -84,16 +93,18 @@ def _plans(hook, dtype: torch.dtype):
 
 def kernels(dtypes=("fp32", "bf16", "fp16", "fp64")):
     """(family, dtype name, kernel name, JITFunction, signature, constexprs) of everything the runtime launches."""
-    from . import codegen, runtime
+    from . import codegen, dims, runtime
 
     for family, hook in families().items():
         for dname in dtypes:
             dtype = DTYPES[dname]
             for variant, plan in _plans(hook, dtype):
                 module = codegen.load(*codegen.generate_with_spec(plan, "cuda"))
+                constexprs = {"ALIGNED": True, "BLOCK": runtime.default_block(dtype), "RBLOCK": runtime.RBLOCK}
+                if module.SPEC.one_pass:
+                    constexprs.update(dims.units_launch(constexprs["BLOCK"], [plan.units.unit_sizes]))
                 for name, signature in module.SIGNATURES.items():
-                    yield (family + variant, dname, name, getattr(module, name), signature,
-                           {"ALIGNED": True, "BLOCK": runtime.default_block(dtype), "RBLOCK": runtime.RBLOCK})
+                    yield family + variant, dname, name, getattr(module, name), signature, constexprs
     from .kernels import multi_tensor
     from .kernels.multi_tensor import TL_DTYPES
 

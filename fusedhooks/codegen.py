@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -19,13 +20,14 @@ from pathlib import Path
 import torch
 
 from .ir import COMPARISONS, STAT_NAMES, Graph, Node, computes_in_operand_dtype, is_reduction, reduction_spec
+from . import dims
 from .plan import PARTIAL_FLAGS, Plan, partial_flags
 
 KERNEL_NAME = "fused_hook"
 #: fp64 values in a row of partial statistics (kernels.stats.N_PARTIALS)
 PARTIAL_WIDTH = 8
 #: The bucket table's per-tensor parts, in order, each n_tensors int64s; then (tensor, block) per program.
-TABLE_PARTS = ("grad", "param", "numel", "blocks", "stats_offset", "partials_offset")
+TABLE_PARTS = ("grad", "param", "numel", "blocks", "stats_offset", "partials_offset", "n_units", "unit_numel")
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,21 @@ class LaunchSpec:
     hist_sets: int
     hist_pad: int
     table_parts: tuple[str, ...] = TABLE_PARTS
+    #: (kernel, programs per gradient) of the kernels over the units of one gradient shape (fusedhooks.dims), which
+    #: do not run on the grid of blocks; units_values: fp64 per gradient of the units workspace; one_pass: the one
+    #: kernel runs over whole units, UNITS per program (the runtime chooses UNITS and ELEMENTS, see units_launch)
+    fixed_grids: tuple[tuple[str, int], ...] = ()
+    units_values: int = 0
+    one_pass: bool = False
 
     def kernels_for(self, grid: int) -> tuple[str, ...]:
         """The kernels to launch, in order, for one gradient on a grid of `grid` programs."""
         return self.single_kernels if grid == 1 else self.kernels
+
+    def grid_of(self, kernel: str, blocks: int, n_tensors: int = 1) -> int:
+        """Programs of a launch of `kernel` on `n_tensors` gradients (of one shape, for a kernel over units) whose
+        blocks number `blocks` in all."""
+        return dict(self.fixed_grids).get(kernel, 0) * n_tensors or blocks
 
     @property
     def uses_workspace(self) -> bool:
@@ -118,6 +131,8 @@ class _Emitter:
         self.device_type = device_type
         self.lines: list[str] = []
         self.names: dict[int, str] = {}
+        #: lanes of the kernel's block (a name or a number), for values built from nothing (fills)
+        self.block = "BLOCK"
 
     def value(self, node: Node, ctype: str) -> str:
         """`node` as an expression of compute type `ctype`."""
@@ -233,10 +248,10 @@ class _Emitter:
                     f"{literal(posinf, out)}, tl.where({x} == float(\"-inf\"), {literal(neginf, out)}, {x})))")
         if op in ("zeros_like", "ones_like", "full_like", "fill", "zero"):
             value = {"zeros_like": 0, "ones_like": 1, "zero": 0}.get(op, a.get("fill_value", a.get("value")))
-            return f"tl.full([BLOCK], {_fill_value(value, ct)}, {ct})"
+            return f"tl.full([{self.block}], {_fill_value(value, ct)}, {ct})"
         if op == "copy":
             return self.value(a["src"], ct)
-        if op == "to":
+        if op in ("to", "unsqueeze"):  # unsqueeze: the same values, read where the dims put them (dims.input_map)
             return self.value(a["input"], ct)
         raise NotImplementedError(f"codegen has no rule for {op}")  # trace.py admits only ops with rules
 
@@ -257,7 +272,7 @@ class _Emitter:
         root = f"{sqrt}({x})"
         if cpu_half is torch.float16:  # C pow: (-0.0) ** 0.5 == +0.0 and (-inf) ** 0.5 == +inf
             root = f'tl.where({x} == float("-inf"), float("inf"), {sqrt}({x}) + 0.0)'
-        special = {0.0: f"tl.full([BLOCK], 1.0, {ct})", 1.0: x, 2.0: f"{x} * {x}", 3.0: f"{square} * {x}",
+        special = {0.0: f"tl.full([{self.block}], 1.0, {ct})", 1.0: x, 2.0: f"{x} * {x}", 3.0: f"{square} * {x}",
                    0.5: root, -0.5: div("1.0", root), -1.0: div("1.0", x), -2.0: div("1.0", square)}
         if e in special:
             return special[e]
@@ -265,31 +280,111 @@ class _Emitter:
         odd = e.is_integer() and int(e) % 2 == 1
         return f"pow_scalar({x}, {_float_text(e)}, {is_int}, {odd})"
 
+    def expression(self, n: Node) -> str:
+        """The expression of an "op" or "scalar" node, from the names of its inputs."""
+        if n.kind == "scalar":
+            return _widen(f"tl.load(scalar{n.value}_ptr)", n.dtype)
+        expr = self.op(n)
+        result_ct = compute_type(n.dtype)
+        op_ct = compute_type(n.op_dtype)
+        if op_ct != result_ct and not computes_in_operand_dtype(n.op):
+            expr = _convert(f"({expr})", op_ct, result_ct)
+        if n.dtype in _ROUND:
+            expr = f"{_ROUND[n.dtype]}({expr})"
+        return expr
+
     def emit_nodes(self, nodes: list[Node]) -> None:
         """Emit a line for each node not emitted yet (reductions must already have a name)."""
         for n in nodes:
             if n.kind == "const" or n.index in self.names:
                 continue
-            name = n.name
-            if n.kind == "grad":
-                self.names[n.index] = "grad"
+            if n.kind in ("grad", "param"):
+                self.names[n.index] = n.kind
                 continue
-            if n.kind == "param":
-                self.names[n.index] = "param"
-                continue
-            if n.kind == "scalar":
-                expr = _widen(f"tl.load(scalar{n.value}_ptr)", n.dtype)
-            else:
-                expr = self.op(n)
-                result_ct = compute_type(n.dtype)
-                op_ct = compute_type(n.op_dtype)
-                if op_ct != result_ct and not computes_in_operand_dtype(n.op):
-                    expr = _convert(f"({expr})", op_ct, result_ct)
-                if n.dtype in _ROUND:
-                    expr = f"{_ROUND[n.dtype]}({expr})"
-            self.lines.append(f"{name} = {expr}")
-            self.names[n.index] = name
+            self.lines.append(f"{n.name} = {self.expression(n)}")
+            self.names[n.index] = n.name
 
+    def result_value(self, ct: str) -> str:
+        """The body's result as an expression of compute type `ct` (a scalar result is broadcast by the caller)."""
+        r = self.graph.result
+        return self.value(r, ct) if r.kind != "const" else literal(r.value, ct)
+
+
+class _UnitsEmitter(_Emitter):
+    """An emitter for a body that reduces over dimensions (see fusedhooks.dims): a value shaped like the gradient
+    reads a value reduced over dimensions where it broadcasts it, through `read(reduction, map)` (a gather from the
+    units workspace, or a value the program holds); other such values are computed at each read (`at`)."""
+
+    def __init__(self, plan: Plan, device_type: str, units: dims.Units, read):
+        super().__init__(plan, device_type)
+        self.units, self.read = units, read
+        self.shape = units.shape
+        self.at_names: dict[tuple, str] = {}
+        self.index_names: dict[int, str] = {}
+
+    def grad_index(self, d: int) -> str:
+        """The index along gradient dim `d` of each lane (from `offs`)."""
+        if d not in self.index_names:
+            offs = "offs"
+            if math.prod(self.shape) < 2**31:  # int32 index arithmetic: fewer registers than int64
+                offs = "offs32"
+                if not self.index_names:
+                    self.lines.append("offs32 = offs.to(tl.int32)")
+            stride = dims.row_major_strides(self.shape)[d]
+            expr = f"{offs} // {stride}" if stride > 1 else offs
+            if d > 0:
+                expr = f"({expr}) % {self.shape[d]}"
+            self.lines.append(f"j{d} = {expr}")
+            self.index_names[d] = f"j{d}"
+        return self.index_names[d]
+
+    def unit_index(self, r: dims.UnitReduction, m: tuple) -> str:
+        """The slot (from r.offset) of the unit of `r` a read with map `m` reads, for each lane."""
+        strides = dims.row_major_strides(r.node.shape)
+        terms = [f"{self.grad_index(m[e])} * {strides[e]}" if strides[e] > 1 else self.grad_index(m[e])
+                 for e, s in enumerate(r.node.shape) if s > 1 and m[e] is not None and self.shape[m[e]] > 1]
+        return " + ".join(terms) if terms else "offs * 0"
+
+    def at(self, node: Node, m: tuple) -> str:
+        """The name of units value `node` read with map `m` (emitted once per map)."""
+        key = (node.index, m)
+        if key not in self.at_names:
+            if dims.is_dim_reduction(node):
+                name = self.read(self, self.units.of(node), m)
+            else:
+                self.emit_nodes([i for i in node.inputs() if not dims.is_units_value(i)])
+                bound = {i.index: self.at(i, dims.input_map(node, m, i)) for i in node.inputs()
+                         if dims.is_units_value(i)}
+                self.names.update(bound)
+                name = f"{node.name}_{len(self.at_names)}"
+                self.lines.append(f"{name} = {self.expression(node)}")
+                for index in bound:
+                    del self.names[index]
+            self.at_names[key] = name
+        return self.at_names[key]
+
+    def emit_nodes(self, nodes: list[Node]) -> None:
+        for n in nodes:
+            if n.kind == "const" or n.index in self.names or dims.is_units_value(n):
+                continue  # units values: computed where a value shaped like the gradient reads them
+            units_inputs = [i for i in n.inputs() if dims.is_units_value(i)]
+            if not units_inputs:
+                super().emit_nodes([n])
+                continue
+            self.emit_nodes([i for i in n.inputs() if not dims.is_units_value(i)])
+            full = dims.full_map(self.shape)
+            bound = {i.index: self.at(i, dims.input_map(n, full, i)) for i in units_inputs}
+            self.names.update(bound)
+            super().emit_nodes([n])
+            for index in bound:
+                del self.names[index]
+
+    def result_value(self, ct: str) -> str:
+        r = self.graph.result
+        if not dims.is_units_value(r):
+            return super().result_value(ct)
+        name = self.at(r, dims.input_map(dims.Broadcast(self.shape), dims.full_map(self.shape), r))
+        return _convert(name, compute_type(r.dtype), ct)
 
 
 def _rounds_scalar(op: str, key: str, kind: str, device_type: str) -> bool:
@@ -342,7 +437,10 @@ class _KernelWriter:
         self.g = plan.graph
         self.device_type = device_type
         self.ct = compute_type(self.g.grad_dtype)
-        self.reductions = self.g.reductions()
+        #: the reductions over dimensions (fusedhooks.dims), for a body planned for one gradient shape
+        self.units = plan.units
+        #: the whole-tensor reductions (their results: reduced_ptr)
+        self.reductions = [n for n in self.g.reductions() if not dims.is_dim_reduction(n)]
         self.reduction_slot = {n.index: k for k, n in enumerate(self.reductions)}
         self.hist_sets = [kind for kind, names in plan.stat_sets if "hist" in names]
         self.signatures: dict[str, dict[str, str]] = {}
@@ -383,6 +481,9 @@ class _KernelWriter:
         if self.reductions:
             args.append(("reduced", f"reduced_ptr,  # *fp64 [{len(self.reductions)}]: {per}results of the body's "
                                     "reductions"))
+        if self.units is not None and not self.units.one_pass:  # (one pass: the program holds the results)
+            args.append(("units", f"units_ptr,  # *fp64 [{self.units.n_values}]: {per}results of the reductions over "
+                                  "dimensions, per unit"))
         if p.slots:
             rows = "the statistics buffer (rows from the table)" if self.multi else "this parameter's statistics row"
             args.append(("stats", f"stats_ptr,  # *fp64 [{len(p.slots)}]: {rows}"))
@@ -396,24 +497,44 @@ class _KernelWriter:
                                  "accumulators, zeroed by the last program"))
         if not self.multi:
             args.append(("numel", "numel,  # elements in the span"))
+        one_pass = self.units is not None and self.units.one_pass
+        if one_pass and not self.multi:
+            args += [("n_units", "n_units,  # units of the gradient (fusedhooks.dims)"),
+                     ("unit_numel", "unit_numel,  # elements of each unit (one span each)")]
         args += [("ALIGNED", "ALIGNED: tl.constexpr,  # gradient (and parameter) addresses 16-byte aligned and "
                              "every numel a multiple of 16 bytes: a vectorisation hint, true whenever set "
                              "(runtime.aligned)"),
                  ("BLOCK", "BLOCK: tl.constexpr,  # elements per program"),
                  ("RBLOCK", "RBLOCK: tl.constexpr,  # partial rows merged at a time")]
+        if one_pass:
+            args += [("UNITS", "UNITS: tl.constexpr,  # units per program"),
+                     ("ELEMENTS", "ELEMENTS: tl.constexpr,  # lanes per unit: a power of two >= every unit_numel")]
         return args
 
     # --- pieces --------------------------------------------------------------------------------
 
     def prologue(self) -> list[str]:
-        ct, g = self.ct, self.g
+        """The lines before the body of a kernel over blocks of BLOCK elements: `header` and `loads`."""
+        return self.header() + ["offs = pid * BLOCK + tl.arange(0, BLOCK)", "mask = offs < numel"] + self.loads()
+
+    def header(self, programs: int | None = None) -> list[str]:
+        """Which program this is (`pid`; for a bucket, of gradient `t`), and the pointers of its gradient.
+
+        programs: programs per gradient of a kernel over units (fusedhooks.dims), else over blocks of BLOCK."""
+        g = self.g
         if self.multi:
             storage = f"tl.pointer_type({_storage_type(g.grad_dtype)})"
-            lines = ["prog = tl.program_id(0).to(tl.int64)",
-                     f"t = tl.load(table_ptr + {len(TABLE_PARTS)} * n_tensors + 2 * prog)  # which gradient of the "
-                     "bucket",
-                     f"pid = tl.load(table_ptr + {len(TABLE_PARTS)} * n_tensors + 2 * prog + 1)  # which block of it",
-                     f"grad_ptr = tl.load({_table_part('grad')}).to({storage})",
+            if programs is None:
+                lines = ["prog = tl.program_id(0).to(tl.int64)",
+                         f"t = tl.load(table_ptr + {len(TABLE_PARTS)} * n_tensors + 2 * prog)  # which gradient of "
+                         "the bucket",
+                         f"pid = tl.load(table_ptr + {len(TABLE_PARTS)} * n_tensors + 2 * prog + 1)  # which block "
+                         "of it"]
+            else:
+                lines = ["prog = tl.program_id(0).to(tl.int64)",
+                         f"t = prog // {programs}  # which gradient of the bucket (all of one shape)",
+                         f"pid = prog % {programs}  # which program of it"]
+            lines += [f"grad_ptr = tl.load({_table_part('grad')}).to({storage})",
                      f"numel = tl.load({_table_part('numel')})",
                      f"num_blocks = tl.load({_table_part('blocks')})"]
             if g.uses_param:
@@ -424,8 +545,12 @@ class _KernelWriter:
                 lines += [f"partials_ptr += tl.load({_table_part('partials_offset')})", "counter_ptr += t"]
             if self.reductions:
                 lines.append(f"reduced_ptr += t * {len(self.reductions)}")
+            if self.units is not None and not self.units.one_pass:
+                lines.append(f"units_ptr += t * {self.units.n_values}")
             if self.hist_sets:
                 lines.append(f"hist_ptr += t * {len(self.hist_sets)} * HIST_PAD")
+            if programs is not None:
+                lines.append(f"num_blocks = {programs}")
         else:
             lines = ["pid = tl.program_id(0).to(tl.int64)", "num_blocks = tl.num_programs(0)"]
         vec = 16 // _ELEMENT_SIZE[g.grad_dtype]
@@ -434,8 +559,12 @@ class _KernelWriter:
         lines.append("    grad_ptr = tl.multiple_of(grad_ptr, 16)")
         if g.uses_param:
             lines.append("    param_ptr = tl.multiple_of(param_ptr, 16)")
-        lines += ["offs = pid * BLOCK + tl.arange(0, BLOCK)", "mask = offs < numel",
-                  f"grad = {_widen('tl.load(grad_ptr + offs, mask=mask, other=0)', g.grad_dtype)}"]
+        return lines
+
+    def loads(self) -> list[str]:
+        """The gradient (unscaled for AMP) and the parameter at `offs`, `mask`."""
+        ct, g = self.ct, self.g
+        lines = [f"grad = {_widen('tl.load(grad_ptr + offs, mask=mask, other=0)', g.grad_dtype)}"]
         if self.plan.amp:
             # as torch._amp_foreach_non_finite_check_and_unscale_: grad * fp32(1 / fp64(scale))
             inv = "(1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)"
@@ -447,10 +576,23 @@ class _KernelWriter:
             lines.append(f"param = {_widen('tl.load(param_ptr + offs, mask=mask, other=0)', g.grad_dtype)}")
         return lines
 
-    def emitter(self, available: dict[int, str]) -> _Emitter:
-        em = _Emitter(self.plan, self.device_type)
+    def emitter(self, available: dict[int, str], read=None) -> _Emitter:
+        """An emitter that knows the `available` names; for a body reducing over dimensions, one reading their
+        results with `read` (default: gathers from units_ptr)."""
+        if self.units is None:
+            em = _Emitter(self.plan, self.device_type)
+        else:
+            em = _UnitsEmitter(self.plan, self.device_type, self.units, read or self.gather)
         em.names.update(available)
         return em
+
+    def gather(self, em: _UnitsEmitter, r: dims.UnitReduction, m: tuple) -> str:
+        """Read the result of reduction `r` of each lane's unit (map `m`) from the units workspace."""
+        name = f"u{r.node.index}_{len(em.at_names)}"
+        loaded = f"tl.load({_units_slots(r)} + ({em.unit_index(r, m)}), mask=mask, other=0)"
+        ct = compute_type(r.node.dtype)
+        em.lines.append(f"{name} = {f'({loaded} != 0)' if ct == 'tl.int1' else _convert(loaded, _units_type(r), ct)}")
+        return name
 
     def set_value(self, em: _Emitter, node: Node, of_abs: bool) -> str:
         x = em.names[node.index] if node.kind != "const" else literal(node.value, "tl.float32")
@@ -463,8 +605,8 @@ class _KernelWriter:
         """Sets for the reductions of `level`; action(node) gives the format string applied to each result."""
         sets: dict[tuple, _ReductionSet] = {}
         for n in self.reductions:
-            if self.g.depth(n) != level:
-                continue
+            if self.g.depth(n) != level or dims.is_units_value(n.args["input"]):
+                continue  # (a whole-tensor reduction of a value reduced over dimensions: whole_of_units_kernel)
             spec = reduction_spec(n)
             key = (n.args["input"].index, spec.of_abs, spec.correction)
             if key not in sets:
@@ -490,11 +632,11 @@ class _KernelWriter:
                 slot += self.plan.hist_bins
         return sets
 
-    def merge_lines(self, sets: list[_ReductionSet], num_blocks: str) -> list[str]:
+    def merge_lines(self, sets: list[_ReductionSet], num_blocks: str, per_program: str = "BLOCK") -> list[str]:
         lines = []
         for k, rs in enumerate(sets):
             flags = ", ".join(f"{f}={rs.flags.get(f, False)}" for f in PARTIAL_FLAGS)
-            lines.append(f"st = finalize_stats(partials_ptr, {k}, {len(sets)}, numel, {num_blocks}, BLOCK, RBLOCK, "
+            lines.append(f"st = finalize_stats(partials_ptr, {k}, {len(sets)}, numel, {num_blocks}, {per_program}, RBLOCK, "
                          f"{rs.correction!r}, {flags})")
             for spec, _node, action in rs.uses:
                 lines.append(action.format(_merged(spec)))
@@ -526,23 +668,27 @@ class _KernelWriter:
 
     # --- kernels -------------------------------------------------------------------------------
 
-    def final_body(self, em: _Emitter, single: bool) -> list[str]:
-        """The elementwise pass: body, store, found_inf, statistics (merged by the last program)."""
+    def final_body(self, em: _Emitter, single: bool, per_program: str = "BLOCK") -> list[str]:
+        """The elementwise pass: body, store, found_inf, statistics (merged by the last program).
+
+        per_program: the elements each program covers (a kernel over units: whole units, see `one_pass_kernel`)."""
         g, ct, lines = self.g, self.ct, []
         em.emit_nodes(self.g.live_nodes())
-        lines += em.lines
         out_value = "grad"
         if g.writes or self.plan.amp:
             r = g.result
-            expr = em.value(r, ct) if r.kind != "const" else literal(r.value, ct)
+            expr = em.result_value(ct)
             if not r.full:
-                expr = f"({expr}) + tl.zeros([BLOCK], {ct})"
+                expr = f"({expr}) + tl.zeros([{em.block}], {ct})"
             if g.grad_dtype in _ROUND and r.dtype != g.grad_dtype:
                 expr = f"{_ROUND[g.grad_dtype]}({expr})"
+            lines += em.lines
+            em.lines = []
             lines.append(f"out = {expr}")
             store = "to_bf16(out)" if g.grad_dtype == torch.bfloat16 else f"out.to({_storage_type(g.grad_dtype)})"
             lines.append(f"tl.store(grad_ptr + offs, {store}, mask=mask)")
             out_value = "out"
+        lines += em.lines
         if self.plan.amp:
             lines += ['bad = tl.sum((mask & ~(tl.abs(scaled) < float("inf"))).to(tl.int32), axis=0)',
                       "if bad > 0:", "    tl.store(found_inf_ptr, 1.0)"]
@@ -550,11 +696,11 @@ class _KernelWriter:
         hist_acc, hist_flush = self.hist_lines(out_value)
         if not sets and not hist_acc:
             return lines
-        lines.append("n_valid = tl.minimum(numel - pid * BLOCK, BLOCK)")
+        lines.append(f"n_valid = tl.minimum(numel - pid * {per_program}, {per_program})")
         if single:
             lines.append("tl.debug_barrier()")
         lines += self.partial_lines(sets) + hist_acc
-        merge = self.merge_lines(sets, "1" if single else "num_blocks") + hist_flush
+        merge = self.merge_lines(sets, "1" if single else "num_blocks", per_program) + hist_flush
         if single:
             return lines + ["tl.debug_barrier()"] + merge
         return lines + _last_program(merge)
@@ -571,7 +717,7 @@ class _KernelWriter:
         loads = [f"r{self.reduction_slot[i]} = {_from_reduced(n, f'tl.load(reduced_ptr + {self.reduction_slot[i]})')}"
                  for i, n in ((n.index, n) for n in self.reductions if self.g.depth(n) < level)]
         targets = [n.args["input"] for n in self.reductions if self.g.depth(n) == level]
-        em.emit_nodes(_cone(self.g, targets))
+        em.emit_nodes(_cone(self.g, [x for x in targets if self.units is None or not dims.is_units_value(x)]))
         sets = self.reduction_sets(em, level, lambda n: f"tl.store(reduced_ptr + {self.reduction_slot[n.index]}, "
                                                        f"({{}}).to(tl.float64))  # {n.name}")
         body = self.prologue() + loads + em.lines + ["n_valid = tl.minimum(numel - pid * BLOCK, BLOCK)"]
@@ -605,6 +751,204 @@ class _KernelWriter:
         body += self.final_body(em, single=True)
         return self.kernel(f"{KERNEL_NAME}_single", self.signature(), body,
                        "all passes in one program (the gradient fits one block)")
+
+    # --- reductions over dimensions (fusedhooks.dims) ------------------------------------------------------------
+
+    def unit_lanes(self, tile: dims.Tile, kept: tuple[int, ...]) -> list[str]:
+        """`unit` and `element` of each lane of a tile of this program, and `unit_offs`, the offset of its unit."""
+        t = tile
+        if t.rows:
+            lines = [f"unit = pid * {t.units} + lane // {t.elements}", f"element = lane % {t.elements}"]
+        else:
+            lines = [f"unit = pid * {t.units} + lane % {t.units}", f"element = lane // {t.units}"]
+        return ["lane = tl.arange(0, " + str(t.size) + ")"] + lines + [f"unit_offs = {self.span('unit', kept)}"]
+
+    def span(self, index: str, dims_: tuple[int, ...]) -> str:
+        """The offset in the gradient of the element numbered `index` row-major over gradient dims `dims_`."""
+        shape = self.units.shape
+        strides = dims.row_major_strides(shape)
+        inner = dims.row_major_strides(tuple(shape[d] for d in dims_))
+        terms = []
+        for k, d in enumerate(dims_):
+            term = f"({index})" if inner[k] == 1 else f"(({index}) // {inner[k]})"
+            if k > 0:
+                term = f"({term} % {shape[d]})"
+            terms.append(term if strides[d] == 1 else f"{term} * {strides[d]}")
+        return " + ".join(terms) if terms else f"({index}) * 0"
+
+    def unit_reduction(self, em: _Emitter, r: dims.UnitReduction, tile: tuple[str, str, str], count: str, n: str,
+                       x: str | None = None) -> tuple[list[str], list[str], str]:
+        """(accumulator lines, lines adding this chunk of each unit's elements, the fp64 [units] result) of
+        reduction `r` over the lanes in `mask`.
+
+        tile: (units, elements, rows) of the kernel's tile (see dims.Tile), as source text; count: the elements of
+        each unit in the chunk, n: in the unit (fp64 expressions); x: the name of the input (default: its name in
+        `em`)."""
+        spec = reduction_spec(r.node)
+        k = r.node.index
+        if x is None:
+            x = em.value(r.node.args["input"], compute_type(r.node.args["input"].dtype))
+        x64 = f"{x}.to(tl.float64)"
+        if spec.of_abs:
+            x64 = f"tl.abs({x64})"
+        units = tile[0]
+        shape = ", ".join(tile)
+        acc, add = f"a{k}", []
+        if spec.stat in ("sum", "mean", "norm"):
+            init = [f"{acc} = tl.zeros([{units}], tl.float64)"]
+            value = f"{x64} * {x64}" if spec.stat == "norm" else x64
+            add = [f"{acc} += per_unit_sum(tl.where(mask, {value}, 0.0), {shape})"]
+            result = {"sum": acc, "mean": f"{acc} / {n}", "norm": f"tl.sqrt({acc})"}[spec.stat]
+        elif spec.stat in ("var", "std"):  # Chan's merge of each chunk's mean and squared deviations
+            init = [f"{acc}_mean = tl.zeros([{units}], tl.float64)", f"{acc}_m2 = tl.zeros([{units}], tl.float64)",
+                    f"{acc}_n = tl.full([], 0.0, tl.float64)"]
+            add = [f"c{k} = {count}",
+                   f"mean{k} = per_unit_sum(tl.where(mask, {x64}, 0.0), {shape}) / c{k}",
+                   f"dev{k} = tl.where(mask, {x64} - to_lanes(mean{k}, {shape}), 0.0)",
+                   f"delta{k} = mean{k} - {acc}_mean",
+                   f"n{k} = {acc}_n + c{k}",
+                   f"{acc}_mean += delta{k} * (c{k} / n{k})",
+                   f"{acc}_m2 += per_unit_sum(dev{k} * dev{k}, {shape}) + delta{k} * delta{k} * ({acc}_n * c{k} / n{k})",
+                   f"{acc}_n = n{k}"]
+            var = f"{acc}_m2 / tl.maximum({n} - {spec.correction!r}, 0.0)"
+            result = var if spec.stat == "var" else f"tl.sqrt({var})"
+        elif spec.stat in ("max", "min", "absmax"):  # NaN propagates, as torch's amax/amin
+            largest = spec.stat != "min"
+            fill = '-float("inf")' if largest else 'float("inf")'
+            if spec.stat == "absmax":
+                x64 = f"tl.abs({x64})"
+            init = [f"{acc} = tl.full([{units}], {fill}, tl.float64)", f"{acc}_nan = tl.zeros([{units}], tl.int32)"]
+            pick = "per_unit_max" if largest else "per_unit_min"
+            merge = "tl.maximum" if largest else "tl.minimum"
+            add = [f"{acc} = {merge}({acc}, {pick}(tl.where(mask & ({x64} == {x64}), {x64}, {fill}), {shape}))",
+                   f"{acc}_nan += per_unit_sum((mask & ({x64} != {x64})).to(tl.int32), {shape})"]
+            result = f'tl.where({acc}_nan > 0, float("nan"), {acc})'
+        else:  # all / any: zeros counted
+            init = [f"{acc} = tl.zeros([{units}], tl.int32)"]
+            add = [f"{acc} += per_unit_sum((mask & ({x64} == 0)).to(tl.int32), {shape})"]
+            result = f"({acc} == 0)" if spec.test == "all" else f"({acc} < {n})"
+        return init, add, result
+
+    def units_reduce_kernel(self, level: int, k: int, group: list[dims.UnitReduction]) -> list[str]:
+        """The reductions over dims group[0].reduced of `level`: each program reduces `tile.units` whole units,
+        `tile.elements` of their elements at a time, and stores their results in units_ptr."""
+        tile = self.units.reduce_tile(group[0])
+        r0 = group[0]
+        available = {n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions if self.g.depth(n) < level}
+        em = self.emitter(available)
+        em.block = str(tile.size)
+        em.emit_nodes(_cone(self.g, [r.node.args["input"] for r in group]))
+        inits, adds, stores = [], [], []
+        out_units = f"pid * {tile.units} + tl.arange(0, {tile.units})"
+        for r in group:
+            init, add, result = self.unit_reduction(
+                em, r, _tile_text(tile), f"tl.minimum({r0.n_reduced} - start, {tile.elements}).to(tl.float64)",
+                f"{float(r0.n_reduced)!r}")
+            inits += init
+            adds += add
+            value = _from_merged(r.node, result)  # rounded to the result's dtype once, as eager torch does
+            stores.append(f"tl.store({_units_slots(r)} + out_units, ({value}).to({_units_type(r)}), "
+                          f"mask=out_units < {r.n_units})  # {r.node.name}")
+        loads = [f"r{self.reduction_slot[n.index]} = "
+                 f"{_from_reduced(n, f'tl.load(reduced_ptr + {self.reduction_slot[n.index]})')}"
+                 for n in self.reductions if self.g.depth(n) < level]
+        loop = ([f"offs = unit_offs + {self.span('start + element', r0.reduced)}",
+                 f"mask = (unit < {r0.n_units}) & (start + element < {r0.n_reduced})"]
+                + self.loads() + em.lines + adds)
+        body = (self.header(tile.programs(r0.n_units)) + self.unit_lanes(tile, r0.kept) + loads + inits
+                + [f"for start in range(0, {r0.n_reduced}, {tile.elements}):"] + ["    " + line for line in loop]
+                + [f"out_units = {out_units}"] + stores)
+        return self.kernel(f"reduce_units{level}_{k}{self.suffix}", self.signature(), body,
+                           f"reductions over dims {list(r0.reduced)} of level {level}: {tile.units} units of "
+                           f"{r0.n_reduced} elements per program, their results into units_ptr")
+
+    def whole_of_units_kernel(self, level: int, k: int, node: Node) -> list[str]:
+        """Whole-tensor reduction `node` of a value reduced over dimensions: one program over the value's elements,
+        read from the units workspace; its result goes to reduced_ptr."""
+        r = self.units.whole_of(node)
+        x = node.args["input"]
+        size = min(dims.REDUCE_TILE, dims._pow2(r.n_reduced))
+        tile = dims.Tile(1, size, True)
+        available = {n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions if self.g.depth(n) < level}
+        em = _UnitsEmitter(self.plan, self.device_type, dims.Units(x.shape, self.units.dtype, self.units.reductions,
+                                                                    [], False), self.gather)
+        em.names.update(available)
+        em.block = str(size)
+        name = em.at(x, dims.full_map(x.shape))  # the value's own dims index it: `offs` runs over its elements
+        init, add, result = self.unit_reduction(em, r, _tile_text(tile),
+                                                f"tl.minimum({r.n_reduced} - start, {size}).to(tl.float64)",
+                                                f"{float(r.n_reduced)!r}", x=name)
+        loads = [f"r{self.reduction_slot[n.index]} = "
+                 f"{_from_reduced(n, f'tl.load(reduced_ptr + {self.reduction_slot[n.index]})')}"
+                 for n in self.reductions if self.g.depth(n) < level]
+        loop = [f"offs = start + tl.arange(0, {size})", f"mask = offs < {r.n_reduced}"] + em.lines + add
+        slot = self.reduction_slot[node.index]
+        body = (self.header(1) + loads + init + [f"for start in range(0, {r.n_reduced}, {size}):"]
+                + ["    " + line for line in loop]
+                + [f"tl.store(reduced_ptr + {slot} + tl.arange(0, 1), ({result}).to(tl.float64))  # {node.name}"])
+        return self.kernel(f"reduce_whole{level}_{k}{self.suffix}", self.signature(), body,
+                           f"{node.op} of the {r.n_reduced} elements of {x.name}, reduced over dimensions: one program")
+
+    def one_pass_kernel(self) -> list[str]:
+        """Every pass in one launch, each program holding UNITS whole units (each one span of unit_numel <= ELEMENTS
+        elements; the sizes are arguments, so gradients of any shape share the kernel): the reductions of every
+        level, the body, its store and the statistics; each element is read and written once."""
+        units = self.units
+        held: dict[int, str] = {}
+        em = self.emitter({}, read=lambda em, r, m: held[r.node.index])
+        em.block = "UNITS * ELEMENTS"
+        body = self.header()
+        if self.multi:
+            body += [f"n_units = tl.load({_table_part('n_units')})",
+                     f"unit_numel = tl.load({_table_part('unit_numel')})"]
+        vec = 16 // _ELEMENT_SIZE[self.g.grad_dtype]
+        body += ["if ALIGNED:  # (for this kernel ALIGNED also means: every unit a multiple of 16 bytes)",
+                 f"    unit_numel = tl.multiple_of(unit_numel.to(tl.int64), {vec})"]
+        body += ["lane = tl.arange(0, UNITS * ELEMENTS)", "unit = pid * UNITS + lane // ELEMENTS",
+                 "element = lane % ELEMENTS", "offs = unit * unit_numel + element",
+                 "mask = (unit < n_units) & (element < unit_numel)"] + self.loads()
+        tile = ("UNITS", "ELEMENTS", "True")
+        n = "unit_numel.to(tl.float64)"
+        for level in range(1, self.plan.levels + 1):
+            group = [r for r in units.reductions if self.g.depth(r.node) == level]
+            em.emit_nodes(_cone(self.g, [r.node.args["input"] for r in group]))
+            for r in group:
+                init, add, result = self.unit_reduction(em, r, tile, n, n)
+                em.lines += init + add
+                name = held[r.node.index] = f"b{r.node.index}"
+                em.lines.append(f"{name} = to_lanes({_from_merged(r.node, result)}, UNITS, ELEMENTS, True)")
+        body += em.lines
+        em.lines = []
+        body += self.final_body(em, single=False, per_program="UNITS * unit_numel")
+        return self.kernel(f"{KERNEL_NAME}_units{self.suffix}", self.signature(), body,
+                           "all passes in one launch: each program holds UNITS whole units")
+
+
+def _body_lines(plan: Plan) -> list[str]:
+    """The body, for the generated source's header; for a one-pass body over units without its shapes and dims (the
+    kernel takes the sizes: gradients of every shape share it)."""
+    lines = str(plan.graph).splitlines()
+    if plan.units is None or not plan.units.one_pass:
+        return lines
+    return [re.sub(r"dim=(\([^)]*\)|-?\d+), ", "", re.sub(r" shape \([^)]*\)", " per unit", line)) for line in lines]
+
+
+def _units_type(r: dims.UnitReduction) -> str:
+    """The type a reduction's per-unit results are kept in, in the units workspace: its compute type, fp32 for bool
+    (fewer registers where the elementwise pass gathers them than fp64)."""
+    ct = compute_type(r.node.dtype)
+    return ct if ct in ("tl.float64", "tl.int64") else "tl.float32"
+
+
+def _units_slots(r: dims.UnitReduction) -> str:
+    """The address of the first per-unit result of `r` (the workspace is fp64: fp32 results use half of each slot)."""
+    slots = f"(units_ptr + {r.offset})"
+    ty = _units_type(r)
+    return slots if ty == "tl.float64" else f"{slots}.to(tl.pointer_type({ty}))"
+
+
+def _tile_text(tile: dims.Tile) -> tuple[str, str, str]:
+    return str(tile.units), str(tile.elements), str(tile.rows)
 
 
 def _cone(g: Graph, roots: list[Node]) -> list[Node]:
@@ -668,7 +1012,7 @@ def _last_program(lines: list[str]) -> list[str]:
 def _kernel(name: str, args: list[str], body: list[str], doc: str) -> list[str]:
     # Triton turns an integer argument equal to 1 into a constexpr (then `numel.to(...)` fails to compile):
     # a 1-element gradient or bucket must not change the kernel
-    unspecialized = [a.split(",")[0] for a in args if a.startswith(("numel,", "n_tensors,"))]
+    unspecialized = [a.split(",")[0] for a in args if a.startswith(("numel,", "n_tensors,", "n_units,", "unit_numel,"))]
     return (["", "", f"@triton.jit(do_not_specialize={unspecialized})", f"def {name}("]
             + ["    " + a for a in args] + ["):", f'    """{doc}"""']
             + ["    " + line for line in body])
@@ -696,12 +1040,16 @@ def generate_with_spec(plan: Plan, device_type: str) -> tuple[str, LaunchSpec]:
         "",
         "from fusedhooks.kernels.elementwise import bf16_to_fp32, pow_scalar, round_to_bf16, round_to_fp16, to_bf16",
         "from fusedhooks.kernels.stats import finalize_stats, hist_accumulate, hist_flush, store_partials",
+        *(["from fusedhooks.kernels.units import per_unit_max, per_unit_min, per_unit_sum, to_lanes"]
+          if plan.units is not None else []),
         "",
         f"HIST_PAD = tl.constexpr({_hist_pad(plan.hist_bins)})",
         "",
         "# body:",
-        *("#   " + line for line in str(plan.graph).splitlines()),
+        *("#   " + line for line in _body_lines(plan)),
     ]
+    if plan.units is not None:
+        return _generate_units(plan, device_type, header)
     kernels, signatures, roles = [], {}, []
     for multi in (False, True):
         w = _KernelWriter(plan, device_type, multi)
@@ -728,6 +1076,54 @@ def generate_with_spec(plan: Plan, device_type: str) -> tuple[str, LaunchSpec]:
         # rows of partials a program writes: one per statistics set, or per reduction set of a level
         partial_sets=max(len(plan.stat_sets), n_reductions),
         hist_sets=sum("hist" in names for _, names in plan.stat_sets), hist_pad=_hist_pad(plan.hist_bins))
+    return "\n".join(header + kernels + footer) + "\n", spec
+
+
+def _generate_units(plan: Plan, device_type: str, header: list[str]) -> tuple[str, LaunchSpec]:
+    """`generate_with_spec` for a body that reduces over dimensions, planned for one gradient shape: one kernel
+    over whole units (`fused_hook_units`) when plan.units.one_pass, else per level a whole-tensor reduction pass
+    (`reduce_level<l>`, if any) and one `reduce_units<l>_<k>` per reduced dims, then `fused_hook`, which reads the
+    results by index. Each also comes as `..._multi`, for a bucket of gradients of that shape."""
+    units = plan.units
+    kernels, signatures, roles, names, fixed = [], {}, [], [], []
+    for multi in (False, True):
+        w = _KernelWriter(plan, device_type, multi)
+        if units.one_pass:
+            kernels += w.one_pass_kernel()
+            if not multi:
+                names.append(f"{KERNEL_NAME}_units")
+        else:
+            for launch in units.schedule(plan.graph):
+                if launch[0] == "whole":
+                    kernels += w.reduce_kernel(launch[1])
+                    name, programs = f"reduce_level{launch[1]}", None
+                elif launch[0] == "units":
+                    _, level, k, group = launch
+                    kernels += w.units_reduce_kernel(level, k, group)
+                    name, programs = f"reduce_units{level}_{k}", units.reduce_tile(group[0]).programs(group[0].n_units)
+                elif launch[0] == "whole_of_units":
+                    _, level, k, node = launch
+                    kernels += w.whole_of_units_kernel(level, k, node)
+                    name, programs = f"reduce_whole{level}_{k}", 1
+                else:
+                    kernels += w.final_kernel()
+                    name, programs = KERNEL_NAME, None
+                if not multi:
+                    names.append(name)
+                    if programs is not None:
+                        fixed.append((name, programs))
+        signatures.update(w.signatures)
+        roles.append(w.roles())
+    footer = ["", "", "#: Each kernel's arguments and their Triton types (ahead-of-time builds: fusedhooks.build)",
+              f"SIGNATURES = {signatures!r}"]
+    n_reductions = len(w.reductions)
+    fixed += [(name + "_multi", programs) for name, programs in fixed]
+    spec = LaunchSpec(
+        args=roles[0], multi_args=roles[1], kernels=tuple(names), single_kernels=tuple(names),
+        multi_kernels=tuple(f"{name}_multi" for name in names), n_slots=len(plan.slots), n_reductions=n_reductions,
+        partial_sets=max(len(plan.stat_sets), n_reductions),
+        hist_sets=sum("hist" in names_ for _, names_ in plan.stat_sets), hist_pad=_hist_pad(plan.hist_bins),
+        fixed_grids=tuple(fixed), units_values=0 if units.one_pass else units.n_values, one_pass=units.one_pass)
     return "\n".join(header + kernels + footer) + "\n", spec
 
 

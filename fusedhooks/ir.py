@@ -319,6 +319,8 @@ class Node:
     value: object = None
     #: the dtype the op computes in, before its result is cast to `dtype` (comparisons, casts)
     op_dtype: torch.dtype | None = None
+    #: the value's shape, for the gradient shape the graph was lowered for (() for Python literals)
+    shape: tuple = ()
 
     def inputs(self) -> list[Node]:
         return [v for v in self.args.values() if isinstance(v, Node)]
@@ -326,7 +328,8 @@ class Node:
     def __repr__(self) -> str:
         if self.kind == "op":
             shown = ", ".join(f"{k}={_shown(v)}" for k, v in self.args.items())
-            return f"{self.name} = {self.op}({shown}) : {_dt(self.dtype)}{'' if self.full else ' scalar'}"
+            shape = "" if self.full else f" shape {self.shape}" if self.shape else " scalar"
+            return f"{self.name} = {self.op}({shown}) : {_dt(self.dtype)}{shape}"
         if self.kind == "const":
             return f"{self.name} = {self.value!r}"
         if self.kind == "scalar":

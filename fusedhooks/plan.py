@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import dims
 from .ir import Graph
 
 #: Which partials (see kernels/stats.py) each statistic needs.
@@ -79,6 +80,14 @@ class Plan:
         return [(kind, names) for kind, names in (("output", self.stats), ("input", self.input_stats)) if names]
 
     @functools.cached_property
+    def units(self) -> dims.Units | None:
+        """The reductions over dimensions of a Triton plan for one gradient shape (None: the body has none, or it
+        runs as eager torch ops); raises dims.Unsupported for a body the kernels do not compile."""
+        if self.backend != "triton" or not self.graph.reduces_over_dims:
+            return None
+        return dims.analyse(self.graph)
+
+    @functools.cached_property
     def levels(self) -> int:
         return max((self.graph.depth(n) for n in self.graph.reductions()), default=0)
 
@@ -99,11 +108,15 @@ class Plan:
     def passes(self) -> int:
         if self.empty or not (self.writes or self.slots):
             return 0
+        if self.units is not None:
+            return 1 if self.units.one_pass else self.levels + 1
         return 1 if self.levels == 0 or self.single_program else self.levels + 1
 
     @property
     def launches(self) -> int:
-        return self.passes
+        if self.units is None or self.units.one_pass or not self.passes:
+            return self.passes
+        return len(self.units.schedule(self.graph))
 
     @property
     def bytes_per_element(self) -> int:
@@ -117,13 +130,33 @@ class Plan:
             f"  passes={self.passes} (reads of the gradient)  writes={self.writes}  launches={self.launches}  "
             f"bytes/element={self.bytes_per_element}",
         ]
-        if self.levels:
+        if self.units is not None:
+            for r in self.units.reductions:
+                lines.append(f"  {r.node.name} = {r.node.op} over dims {list(r.reduced)}: {r.n_units:,} units of "
+                             f"{r.n_reduced:,} elements")
+            how = ("in one pass: each program holds whole units, every reduction in registers" if self.units.one_pass
+                   else "per-unit results left in the workspace by the reduction passes, read by index in the "
+                        "elementwise pass")
+            lines.append(f"  body reductions: {len(self.graph.reductions())}, {how}")
+        elif self.levels:
             how = ("in one program" if self.single_program else
                    f"{self.levels} reduction pass(es) leave scalars on the device, then the elementwise pass")
             lines.append(f"  body reductions: {len(self.graph.reductions())}, {how}")
         if self.block is not None:
             merged = ", statistics merged by the last program (no host sync)" if self.slots else ""
-            lines.append(f"  launch: grid={self.grid} programs x BLOCK={self.block}{merged}")
+            if self.units is not None and self.units.one_pass:
+                n_units, elements = self.units.unit_sizes
+                meta = dims.units_launch(self.block, [(n_units, elements)])
+                lines.append(f"  launch: {-(-n_units // meta['UNITS']):,} programs x {meta['UNITS']} units of "
+                             f"{meta['ELEMENTS']} lanes{merged}")
+            elif self.units is not None:
+                for r in self.units.reductions:
+                    tile = self.units.reduce_tile(r)
+                    lines.append(f"  reduction pass of {r.node.name}: {tile.programs(r.n_units):,} programs x "
+                                 f"{tile.units} units, {tile.elements} elements of each at a time")
+                lines.append(f"  elementwise pass: grid={self.grid} programs x BLOCK={self.block}{merged}")
+            else:
+                lines.append(f"  launch: grid={self.grid} programs x BLOCK={self.block}{merged}")
         if self.amp:
             lines.append("  AMP: grad * (1 / scale) first; NaN/Inf of the scaled gradient sets found_inf")
         lines.append(f"  stats (after the body): {', '.join(self.stats) or '-'}")

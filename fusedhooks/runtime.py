@@ -13,6 +13,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from . import eager, fastlaunch, reference, tuning
+from .dims import units_launch
 from .layout import flat_span
 from .plan import Plan
 
@@ -115,6 +116,7 @@ class Workspace:
         self.partials = torch.empty(0, dtype=torch.float64, device=device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.reduced = torch.empty(0, dtype=torch.float64, device=device)
+        self.units = torch.empty(0, dtype=torch.float64, device=device)
         self.hist = torch.zeros(0, dtype=torch.int32, device=device)
         self.counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.tables: dict[tuple, BucketTable] = {}
@@ -143,6 +145,11 @@ class Workspace:
         if self.reduced.numel() < n:
             self.reduced = torch.empty(n, dtype=torch.float64, device=self.device)
         return self.reduced
+
+    def units_for(self, n: int) -> torch.Tensor:
+        if self.units.numel() < n:
+            self.units = torch.empty(max(n, 1), dtype=torch.float64, device=self.device)
+        return self.units
 
     def hist_for(self, n: int) -> torch.Tensor:
         if self.hist.numel() < n:
@@ -180,13 +187,13 @@ _PER_FIRING = ("grad", "param", "stats", "scale", "found_inf")
 
 @dataclass
 class Bound:
-    """The launches of one firing, bound once: the kernels, grid and meta (constexprs, compile options), and
+    """The launches of one firing, bound once: the kernels, their grids and meta (constexprs, compile options), and
     the arguments in order with everything that stays the same between firings in place (scalars, workspace
     buffers, numel, the bucket table); `run_bound` puts in the rest (`slots`: role -> position).
     fast: one dict per kernel for `launch`."""
 
     kernels: tuple
-    grid: tuple
+    grids: tuple
     args: list
     meta: dict
     slots: tuple[tuple[str, int], ...]
@@ -202,6 +209,7 @@ def bind(module, multi: bool, grid: int, workspace: Workspace, scalars: list[tor
     roles = spec.multi_args if multi else spec.args
     n = values.get("n_tensors", 1)
     buffers = {"reduced": lambda: workspace.reduced_for(n * spec.n_reductions),
+               "units": lambda: workspace.units_for(n * spec.units_values),
                "partials": lambda: workspace.partials_for(values["partial_values"]),
                "counter": lambda: workspace.counters_for(n) if multi else workspace.counter,
                "hist": lambda: workspace.hist_for(n * spec.hist_values)}
@@ -219,8 +227,8 @@ def bind(module, multi: bool, grid: int, workspace: Workspace, scalars: list[tor
         else:
             args.append(values[role])
     names = spec.multi_kernels if multi else spec.kernels_for(grid)
-    return Bound(tuple(getattr(module, name) for name in names), (grid,), args, meta, tuple(slots),
-                 tuple({} for _ in names))
+    return Bound(tuple(getattr(module, name) for name in names), tuple((spec.grid_of(name, grid, n),) for name in names),
+                 args, meta, tuple(slots), tuple({} for _ in names))
 
 
 def run_bound(bound: Bound, tensors: dict) -> None:
@@ -228,8 +236,8 @@ def run_bound(bound: Bound, tensors: dict) -> None:
     args = bound.args.copy()
     for role, position in bound.slots:
         args[position] = tensors[role]
-    for kernel, fast in zip(bound.kernels, bound.fast):
-        launch(kernel, bound.grid, *args, fast=fast, **bound.meta)
+    for kernel, grid, fast in zip(bound.kernels, bound.grids, bound.fast):
+        launch(kernel, grid, *args, fast=fast, **bound.meta)
 
 
 def kernel_meta(module, device: torch.device, numel: int, block: int, hint: bool, dtype: torch.dtype) -> dict:
@@ -238,15 +246,22 @@ def kernel_meta(module, device: torch.device, numel: int, block: int, hint: bool
 
 
 def bind_single(module, numel: int, hint: bool, device: torch.device, dtype: torch.dtype, workspace: Workspace,
-                scalars: list[torch.Tensor], config: dict | None = None) -> Bound:
+                scalars: list[torch.Tensor], config: dict | None = None, units: tuple[int, int] | None = None
+                ) -> Bound:
     """The Bound of `module`'s single-gradient kernels for a gradient of `numel` elements of `dtype`; config: a
-    launch configuration ({"block", "num_warps", "num_stages"}) instead of the runtime's (tune tries them)."""
+    launch configuration ({"block", "num_warps", "num_stages"}) instead of the runtime's (tune tries them);
+    units: (units, elements of each) of the gradient, for a one-pass kernel over units."""
     block = config["block"] if config else block_size(module, device, dtype)
     grid = -(-numel // block)
     meta = kernel_meta(module, device, numel, block, hint, dtype)
+    values = {"numel": numel}
+    if module.SPEC.one_pass:
+        meta.update(units_launch(block, [units]))
+        grid = -(-units[0] // meta["UNITS"])
+        values.update(n_units=units[0], unit_numel=units[1])
     if config:
         meta.update(num_warps=config["num_warps"], num_stages=config["num_stages"])
-    values = {"numel": numel, "partial_values": module.SPEC.partial_values(grid)}
+    values["partial_values"] = module.SPEC.partial_values(grid)
     return bind(module, False, grid, workspace, scalars, values, meta)
 
 
@@ -268,7 +283,8 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
         return
     uses_param = plan.graph.uses_param
     # the kernels only take the pointer: a contiguous gradient goes as it is (no view to build)
-    span = grad if grad.is_contiguous() else flat_span(grad)
+    # (a kernel over units (fusedhooks.dims) indexes the gradient as contiguous: any other layout is copied)
+    span = grad if grad.is_contiguous() else None if plan.units is not None else flat_span(grad)
     work = span
     if span is None or (uses_param and param.stride() != grad.stride()):
         work = grad.contiguous().view(-1)
@@ -276,13 +292,16 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
     else:
         pspan = (param if param.is_contiguous() else flat_span(param)) if uses_param else None
     hint = aligned(work, pspan)
-    key = (module, numel, hint)
+    units = plan.units.unit_sizes if module.SPEC.one_pass else None
+    if units is not None:  # the one-pass kernel's units start 16-byte aligned
+        hint = hint and units[1] * grad.element_size() % 16 == 0
+    key = (module, numel, hint, units)
     bound = workspace.bound.get(key)
     if bound is None:
         if len(workspace.bound) > 256:  # sizes keep changing: keep the cache small
             workspace.bound.clear()
         bound = workspace.bound[key] = bind_single(module, numel, hint, grad.device, grad.dtype, workspace,
-                                                               scalars)
+                                                   scalars, units=units)
     tensors = {"grad": work, "param": pspan, "stats": stats_row}
     if amp is not None:
         tensors["scale"], tensors["found_inf"] = amp
@@ -316,6 +335,7 @@ class BucketTable:
     aligned: bool = False  # the ALIGNED hint of the gradients at `addresses` (see `aligned`)
     host: torch.Tensor | None = None  # the pinned copy a CUDA table came from (kept alive until replaced)
     bound: dict = field(default_factory=dict)  # ALIGNED hint -> Bound
+    units_meta: dict = field(default_factory=dict)  # UNITS and ELEMENTS of a one-pass kernel over units
 
     def point_to(self, addresses: tuple) -> None:
         """Make the table's first two parts hold `addresses` (n_tensors grad addresses, then 0 or n_tensors
@@ -334,17 +354,24 @@ class BucketTable:
 
 
 def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: int, device: torch.device,
-                 element_size: int) -> BucketTable:
+                 element_size: int, units: tuple[tuple[int, int], ...] | None = None) -> BucketTable:
     """The table for gradients of `numels` elements (non-empty) of `element_size` bytes with statistics rows `rows`,
-    addresses unset (see `BucketTable.point_to`); spec: the kernels' LaunchSpec."""
+    addresses unset (see `BucketTable.point_to`); spec: the kernels' LaunchSpec; units: (units, elements of each)
+    per gradient, for a one-pass kernel over units (its programs hold UNITS units, not BLOCK elements)."""
     n = len(numels)
-    blocks = [-(-numel // block) for numel in numels]
+    units_meta = units_launch(block, units) if spec.one_pass else {}
+    if spec.one_pass:
+        blocks = [-(-u // units_meta["UNITS"]) for u, _ in units]
+    else:
+        blocks = [-(-numel // block) for numel in numels]
     offsets, total = [], 0
     for b in blocks:
         offsets.append(total)
         total += spec.partial_values(b)
     parts = {"grad": [0] * n, "param": [0] * n, "numel": list(numels), "blocks": blocks,
-             "stats_offset": [r * spec.n_slots for r in rows], "partials_offset": offsets}
+             "stats_offset": [r * spec.n_slots for r in rows], "partials_offset": offsets,
+             "n_units": [u for u, _ in units] if spec.one_pass else [0] * n,
+             "unit_numel": [e for _, e in units] if spec.one_pass else [0] * n}
     programs = [v for t, b in enumerate(blocks) for k in range(b) for v in (t, k)]
     values = [v for part in spec.table_parts for v in parts[part]] + programs
     host = torch.tensor(values, dtype=torch.int64)
@@ -354,14 +381,17 @@ def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: in
     else:
         table, host = host, None
     sizes_aligned = all(numel * element_size % 16 == 0 for numel in numels)
-    return BucketTable(table, n, sum(blocks), max(total, 1), sizes_aligned, host=host)
+    if spec.one_pass:  # and its units start 16-byte aligned
+        sizes_aligned = sizes_aligned and all(e * element_size % 16 == 0 for _, e in units)
+    return BucketTable(table, n, sum(blocks), max(total, 1), sizes_aligned, host=host, units_meta=units_meta)
 
 
 def fire_bucket(plan: Plan, module, grads: list[torch.Tensor], params: list[torch.Tensor], rows: list[int],
                 scalars: list[torch.Tensor], stats: torch.Tensor | None, workspace: Workspace,
-                amp: tuple | None = None) -> None:
+                amp: tuple | None = None, units: tuple[tuple[int, int], ...] | None = None) -> None:
     """Apply `plan` to every gradient of `grads` (of `params`, with statistics rows `rows`) with one launch per pass;
-    no host sync.
+    no host sync. units: (units, elements of each) per gradient, for a one-pass kernel over units (gradients of
+    several shapes may share it).
 
     Every grad must be non-empty, one flat span of storage (see `layout.flat_span`: its data_ptr and numel
     are those of the span), of plan.dtype on one device; with a param-reading body, each param must be a flat
@@ -372,20 +402,20 @@ def fire_bucket(plan: Plan, module, grads: list[torch.Tensor], params: list[torc
     if plan.graph.uses_param:
         addresses += tuple(map(torch.Tensor.data_ptr, params))
     rows = tuple(rows)
-    key = (module, numels, rows)
+    key = (module, numels, rows, units)
     table = workspace.tables.get(key)
     device, dtype = grads[0].device, grads[0].dtype
     if table is None:
         if len(workspace.tables) > 64:  # bucket layouts keep changing: keep the cache small
             workspace.tables.clear()
         table = workspace.tables[key] = bucket_table(module.SPEC, numels, rows, block_size(module, device, dtype),
-                                                     device, grads[0].element_size())
+                                                     device, grads[0].element_size(), units)
     table.point_to(addresses)
     hint = table.aligned
     bound = table.bound.get(hint)
     if bound is None:
         block = block_size(module, device, dtype)
-        meta = kernel_meta(module, device, sum(numels), block, hint, dtype)
+        meta = kernel_meta(module, device, sum(numels), block, hint, dtype) | table.units_meta
         values = {"table": table.table, "n_tensors": table.n_tensors, "partial_values": table.partial_values}
         bound = table.bound[hint] = bind(module, True, table.n_programs, workspace, scalars, values, meta)
     tensors = {"stats": stats}

@@ -273,6 +273,8 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
         n = Node(len(nodes), kind, dtype, full, **kw)
         nodes.append(n)
         metas[n.index] = meta
+        if isinstance(meta, torch.Tensor):
+            n.shape = tuple(meta.shape)
         return n
 
     def const(v) -> Node:
@@ -316,6 +318,7 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
             n = add("scalar", t.dtype, False, None, value=index)
             n.value_shape = tuple(t.shape)
             metas[n.index] = _meta(n, shape)
+            n.shape = n.value_shape
         elif fxn.op == "output":
             out = fxn.args[0]
             if out is None:

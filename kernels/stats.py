@@ -55,12 +55,13 @@ def store_partials(x, mask, n_valid, out_ptr,
 
 @triton.jit
 def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel, num_blocks,
-                   BLOCK: tl.constexpr, RBLOCK: tl.constexpr, CORRECTION: tl.constexpr,
+                   BLOCK, RBLOCK: tl.constexpr, CORRECTION: tl.constexpr,
                    SUM: tl.constexpr, M2: tl.constexpr, SUMSQ: tl.constexpr,
                    MINMAX: tl.constexpr, COUNTS: tl.constexpr):
     """Merge the partials of statistics set SET over `num_blocks` programs, in fp64.
 
-    partials_ptr: *fp64 [num_blocks, N_SETS, N_PARTIALS]; numel: elements covered (> 0);
+    partials_ptr: *fp64 [num_blocks, N_SETS, N_PARTIALS]; numel: elements covered (> 0); BLOCK: elements of each
+    program but the last;
     CORRECTION: var = M2 / max(numel - CORRECTION, 0), as torch.var.
     Returns fp64 scalars (count, sum, mean, sumsq, norm, var, std, min, max, absmax, nan, inf, zeros);
     those whose flag is off are 0.

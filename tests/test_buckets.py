@@ -55,6 +55,33 @@ def test_bucketed_equals_unbucketed_and_launch_count(body, stats, monkeypatch):
     assert all(name.endswith("_multi") for name, _ in launches[:bucketed])
 
 
+def test_launch_bound_holds_with_an_agc_hook(monkeypatch):
+    """AGC reduces each unit (a row; the whole of a 1-d tensor): one kernel over whole units serves every shape of
+    the model, so a bucket is one launch, and the bound above holds."""
+    a, b, batch = tiny_pair()
+    bucket_mb = 0.05
+    hook_a = fh.agc(0.01, stats="all", backend="triton")
+    hook_b = fh.agc(0.01, stats="all", backend="triton")
+    hook_a.register(a, bucket_mb=bucket_mb)
+    hook_b.register(b, bucket_mb=0)
+    launches = count_launches(monkeypatch)
+    loss_of(a, batch).backward()
+    bucketed = len(launches)
+    loss_of(b, batch).backward()
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    rows_a, rows_b = hook_a.stats.read(), hook_b.stats.read()
+    for name, row in rows_a.items():  # statistics: partials over other programs (UNITS differs), merged in fp64
+        assert row["max"] == rows_b[name]["max"] and row["count"] == rows_b[name]["count"]
+        assert row["norm"] == pytest.approx(rows_b[name]["norm"], rel=1e-12)
+    total_bytes = sum(p.numel() * p.element_size() for p in a.parameters())
+    passes = max(hook_a.plan(shape=p.shape, device="cpu").passes for p in a.parameters())
+    assert passes == 1
+    assert bucketed <= (math.ceil(total_bytes / (bucket_mb * 2**20)) + 2) * passes
+    assert {name for name, _ in launches[:bucketed]} == {"fused_hook_units_multi"}
+    assert len(launches) - bucketed == len(list(b.parameters()))
+
+
 def test_grads_are_final_when_backward_returns_and_explain_counts_launches(monkeypatch):
     a, _, batch = tiny_pair()
     hook = fh.grad_hook(clip, stats=("absmax",), backend="triton")

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from fusedhooks import build, codegen
+from fusedhooks import build, codegen, dims
 from fusedhooks.plan import make_plan
 
 TARGETS = ("cuda:80", "cuda:90", "hip:gfx942")
@@ -42,10 +42,12 @@ def test_every_kernel_family_builds(reports, target):
     assert [r for r in built if r["error"]] == []
     kernels = {r["kernel"] for r in built}
     assert {"fused_hook", "fused_hook_multi", "fused_hook_single", "reduce_level1", "reduce_level1_multi",
-            "scale_kernel"} <= kernels
+            "scale_kernel", "fused_hook_units", "fused_hook_units_multi", "reduce_units1_0", "reduce_units1_0_multi",
+            "reduce_whole2_0", "reduce_whole2_0_multi"} <= kernels
     families = {r["family"] for r in built}
     assert {"clip+scale+stats+hist", "clip+scale+stats+hist+amp", "clip+scale+stats+hist+shard", "stats-only",
-            "normalise-by-norm", "standardise", "weight-decay(param)", "global-clip-scale"} <= families
+            "normalise-by-norm", "standardise", "weight-decay(param)", "global-clip-scale", "agc(rows, one pass)",
+            "column-norm(two passes)", "factored(rows+columns+whole)"} <= families
     assert {r["dtype"] for r in built} == {"fp32", "bf16", "fp16", "fp64"}
     assert len(built) == len(_of(reports, "cuda:90")), "every target builds the same kernels"
     assert all(r["registers"] for r in built), "the report names every kernel's registers"
@@ -68,7 +70,7 @@ def test_cuda90_gradient_accesses_are_128_bit_vectors(reports):
     is 16 bits wide) no scalar gradient access is left in the generated kernels."""
     bad = []
     for r in _of(reports, "cuda:90", GATED_DTYPES):
-        writes_gradient = not (r["kernel"].startswith("reduce_level") or r["family"].startswith("stats-only"))
+        writes_gradient = not (r["kernel"].startswith("reduce_") or r["family"].startswith("stats-only"))
         if r["load_bits"][1] != 128 or (writes_gradient and r["store_bits"][1] != 128):
             bad.append((r["family"], r["dtype"], r["kernel"], r["load_bits"], r["store_bits"]))
         generated = r["kernel"] != "scale_kernel"  # the scale kernel's masked tail is scalar by design
@@ -90,7 +92,7 @@ def test_generated_signatures_match_the_kernels(family, dtype):
     """SIGNATURES (what ahead-of-time builds compile with) lists every kernel's arguments, in order, and the launch
     spec (what the runtime binds arguments from) names the same arguments in the same order, and every kernel."""
     hook = build.families()[family]
-    plan = make_plan(hook._graph(dtype), hook.stat_names, hook.input_stat_names, hist_range=hook.hist_range)
+    plan = make_plan(hook._graph(dtype, build.DIMS_SHAPE if hook.reduces_over_dims else None), hook.stat_names, hook.input_stat_names, hist_range=hook.hist_range)
     module = codegen.load(*codegen.generate_with_spec(plan, "cpu"))
     spec = module.SPEC
     assert module.SIGNATURES
@@ -101,12 +103,14 @@ def test_generated_signatures_match_the_kernels(family, dtype):
         assert [_argument(role) for role in roles] == list(signature), name
     launched = set(spec.kernels) | set(spec.single_kernels) | set(spec.multi_kernels)
     assert launched == set(module.SIGNATURES)
-    assert spec.n_slots == len(plan.slots) and spec.n_reductions == len(plan.graph.reductions())
+    whole = [n for n in plan.graph.reductions() if not dims.is_dim_reduction(n)]  # (over dims: see spec.units_values)
+    assert spec.n_slots == len(plan.slots) and spec.n_reductions == len(whole)
 
 
 def _argument(role: str) -> str:
     """The kernel argument of a LaunchSpec role (pointers end in _ptr)."""
-    return role if role in ("numel", "n_tensors", "ALIGNED", "BLOCK", "RBLOCK") else role + "_ptr"
+    return role if role in ("numel", "n_tensors", "n_units", "unit_numel", "ALIGNED", "BLOCK", "RBLOCK", "UNITS",
+                            "ELEMENTS") else role + "_ptr"
 
 
 def test_partials_row_width_is_the_kernels():

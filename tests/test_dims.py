@@ -1,38 +1,57 @@
 """Reductions over dimensions in hook bodies (dim=, keepdim=, unsqueeze) and fh.agc, against eager torch.
 
-They run as eager torch ops (the eager and reference backends; backend="auto" falls back to reference with a
-warning, "triton" is refused until the Triton backend compiles them), so results equal eager torch's bit for bit."""
+The eager and reference backends run them as eager torch ops: their results equal eager torch's bit for bit. The
+Triton kernels (backend "triton", and "auto" here: the interpreter) reduce each unit in fp64 and round once, as the
+whole-tensor reductions do: within REDUCTION_RTOL of eager torch (which accumulates in fp32), exact for amax, amin,
+all and any."""
 
 import math
 import warnings
 
 import pytest
 import torch
+from test_codegen import count_launches
 
 import fusedhooks as fh
 from fusedhooks.trace import CompileError
 
-from helpers import assert_same_values
+from helpers import REDUCTION_RTOL, assert_close_to, assert_same_values
 
-BACKENDS = ["eager", "reference", "auto"]
+BACKENDS = ["eager", "reference", "triton", "auto"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
-#: name -> (body, the shapes it applies to); each body broadcasts its reduction back over the gradient
+
+def assert_matches(got, expected, backend, dtype):
+    """Bit for bit for the backends that run eager torch ops; within REDUCTION_RTOL for the Triton kernels."""
+    if backend in ("eager", "reference"):
+        assert_same_values(got, expected)
+    else:
+        assert_close_to(got, expected, REDUCTION_RTOL[dtype])
+
+#: name -> (body, the shapes it applies to); each body broadcasts its reduction back over the gradient. Shapes
+#: include units of one element, rows longer than a program holds (5000 > 4096: two passes) and of exactly 4096,
+#: columns (units side by side) over several programs, 1-d and 4-d tensors
 BODIES = {
-    "row_norm": (lambda g: g / (g.norm(dim=1, keepdim=True) + 1e-3), [(1, 9), (9, 1), (5, 13), (3, 4, 5, 6)]),
+    "row_norm": (lambda g: g / (g.norm(dim=1, keepdim=True) + 1e-3),
+                 [(1, 9), (9, 1), (5, 13), (3, 4, 5, 6), (3, 5000), (2, 4096)]),
     "last_vector_norm_inf": (lambda g: g / (torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True) + 1),
                              [(7,), (1, 9), (5, 13), (3, 4, 5, 6)]),
-    "column_mean": (lambda g: g - g.mean(dim=0), [(7,), (1, 9), (9, 1), (5, 13), (3, 4, 5, 6)]),
+    "column_mean": (lambda g: g - g.mean(dim=0), [(7,), (1, 9), (9, 1), (5, 13), (3, 4, 5, 6), (4100, 3), (3, 200)]),
     "unit_sum_tuple": (lambda g: g * g.sum(dim=(1, 2), keepdim=True), [(3, 4, 5, 6), (2, 3, 1)]),
     "var_std": (lambda g: (g - g.mean(dim=-1, keepdim=True)) / (g.std(dim=-1, keepdim=True) + 1)
-                + g.var(dim=-1, unbiased=False, keepdim=True), [(5, 13), (3, 4, 5, 6)]),
-    "var_correction": (lambda g: g * g.var(dim=0, correction=0), [(5, 13), (9, 1)]),
+                + g.var(dim=-1, unbiased=False, keepdim=True), [(5, 13), (3, 4, 5, 6), (2, 5000)]),
+    "var_correction": (lambda g: g * g.var(dim=0, correction=0), [(5, 13), (9, 1), (5000, 2)]),
+    "middle_dims": (lambda g: g - g.amax(dim=(0, 2), keepdim=True) + g.sum(dim=(1, 3), keepdim=True),
+                    [(3, 4, 5, 6), (2, 1, 7, 3)]),
+    "row_vector_broadcast": (lambda g: g * g.mean(dim=1), [(5, 5), (1, 1)]),  # (n,) broadcasts along rows
     "amax_amin": (lambda g: g / (g.amax(dim=1, keepdim=True) - g.amin(dim=1, keepdim=True) + 1), [(5, 13), (1, 9)]),
     "all_any": (lambda g: torch.where(torch.isfinite(g).all(dim=1, keepdim=True), g, 0.0)
                 + (g > 1).any(dim=-1, keepdim=True).float(), [(5, 13), (3, 4, 5, 6)]),
     "unsqueeze": (lambda g: g / (g.norm(dim=1).unsqueeze(1) + 1e-3), [(5, 13), (4, 5, 6)]),
     "mixed_with_whole": (lambda g: g / (g.norm(dim=0) + g.norm() + 1e-3), [(7,), (5, 13)]),
-    "nested": (lambda g: g / (g.abs().sum(dim=1, keepdim=True).amax() + 1), [(5, 13), (3, 4, 5, 6)]),
+    "nested": (lambda g: g / (g.abs().sum(dim=1, keepdim=True).amax() + 1), [(5, 13), (3, 4, 5, 6), (2, 5000)]),
+    "factored": (lambda g: g * (g * g).mean(dim=1, keepdim=True) * (g * g).mean(dim=0, keepdim=True)
+                 / ((g * g).mean(dim=1).mean() + 1), [(5, 13), (70, 3)]),  # Adafactor's row and column means
     "max_min_values": (lambda g: g / (g.max(dim=1).values.unsqueeze(1) - torch.min(g, 1, keepdim=True)[0] + 1),
                        [(5, 13), (1, 9), (9, 1)]),
 }
@@ -68,8 +87,40 @@ def test_reduction_over_dims_equals_eager_torch(name, shape, dtype, backend):
     fn = BODIES[name][0]
     grad = _gradient(shape, dtype)
     expected = fn(grad.clone()).to(dtype)
-    got = _fire(_hook(fn, backend, stats=("norm", "max")), grad)
-    assert_same_values(got, expected)
+    hook = _hook(fn, backend, stats=("norm", "max"))
+    got = _fire(hook, grad)
+    assert_matches(got, expected, backend, dtype)
+    if backend != "auto" or not torch.cuda.is_available():
+        assert hook.compiled(dtype, grad.device, shape=shape).plan.backend == (
+            "triton" if backend == "auto" else backend)  # auto: the interpreter compiles every body here
+
+
+#: one reduction per body, read back where its units are: NaN and Inf in some units
+NAN_INF_BODIES = {
+    "sum": lambda g: g - g.sum(dim=1, keepdim=True),
+    "mean_dim0": lambda g: g - g.mean(dim=0),
+    "norm": lambda g: g / (g.norm(dim=1, keepdim=True) + 1),
+    "vector_norm_1": lambda g: g / (torch.linalg.vector_norm(g, 1, dim=1, keepdim=True) + 1),
+    "norm_minus_inf": lambda g: g - torch.linalg.vector_norm(g, -math.inf, dim=0),
+    "var": lambda g: g * g.var(dim=1, keepdim=True),
+    "std_dim0": lambda g: g * g.std(dim=0),
+    "amax": lambda g: g - g.amax(dim=1, keepdim=True),
+    "amin_dim0": lambda g: g - g.amin(dim=0),
+    "all": lambda g: torch.where(torch.isfinite(g).all(dim=1, keepdim=True), g, 0.0),
+    "any_dim0": lambda g: torch.where((g.abs() > 3).any(dim=0), g, -g),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("name", NAN_INF_BODIES)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_nan_and_inf_propagate_per_unit(name, dtype, backend):
+    fn = NAN_INF_BODIES[name]
+    grad = _gradient((6, 7), torch.float32)
+    grad[1, 2], grad[3, 0], grad[3, 4], grad[4, 6] = math.nan, math.inf, -math.inf, math.inf
+    grad = grad.to(dtype)
+    expected = fn(grad.clone()).to(dtype)
+    assert_matches(_fire(_hook(fn, backend), grad), expected, backend, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -85,23 +136,37 @@ def test_statistics_of_the_result(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_each_shape_gets_its_own_plan_and_buckets_match(backend):
+def test_each_shape_gets_its_own_plan_and_buckets_match(backend, monkeypatch):
     fn = BODIES["row_norm"][0]
-    shapes = [(5, 13), (1, 9), (3, 4, 5, 6), (9, 1)]
+    shapes = [(5, 13), (1, 9), (3, 4, 5, 6), (9, 1), (3, 5000)]
     grads = [_gradient(s, torch.float32, seed=i) for i, s in enumerate(shapes)]
+    results = {}
     for bucket_mb in (None, 25):
         params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-        hook = _hook(fn, backend, stats=("norm",))
+        hook = _hook(fn, backend, stats=("norm", "max"))
+        launches = count_launches(monkeypatch)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hook.register(params, bucket_mb=bucket_mb)
             sum((p * g).sum() for p, g in zip(params, grads)).backward()
         for p, g in zip(params, grads):
-            assert_same_values(p.grad, fn(g.clone()))
-        assert len(hook.stats.read()) == 4
+            assert_matches(p.grad, fn(g.clone()), backend, torch.float32)
+        results[bucket_mb] = [p.grad for p in params], hook.stats.read()
+        assert len(hook.stats.read()) == 5
+        if backend in ("triton", "auto") and bucket_mb:
+            # (5, 13), (1, 9) and (9, 1) share the one-pass kernel over rows (their sizes are arguments): one launch;
+            # dim 1 of (3, 4, 5, 6) (units strided) and rows of 5000 elements: a reduction pass and the elementwise
+            # pass each, for their shape
+            assert sorted(name for name, _ in launches) == ["fused_hook_multi"] * 2 + ["fused_hook_units_multi"] + [
+                "reduce_units1_0_multi"] * 2
+    for a, b in zip(results[None][0], results[25][0]):
+        assert torch.equal(a, b)  # each unit is reduced alone: the same bits in a bucket
+    for name, row in results[None][1].items():  # statistics: merged over other partitions of the elements
+        assert row["max"] == results[25][1][name]["max"]
+        assert row["norm"] == pytest.approx(results[25][1][name]["norm"], rel=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["eager", "reference"])
+@pytest.mark.parametrize("backend", ["eager", "reference", "triton"])
 def test_empty_gradients(backend):
     hook = _hook(lambda g: g / (g.norm(dim=1, keepdim=True) + 1e-3), backend, stats=("count",))
     assert _fire(hook, torch.zeros(0, 5)).shape == (0, 5)
@@ -121,19 +186,26 @@ def test_a_body_that_does_not_fit_a_parameter_is_refused_at_register_naming_it()
             torch.zeros(3, 4)))])
 
 def test_auto_falls_back_to_eager_torch_with_one_warning_and_triton_is_refused(monkeypatch):
+    """What the kernels do not compile: a reduction over dimensions of a value reduced over dimensions."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # auto picks triton here
-    hook = fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True))
+    body = lambda g: g / (g.norm(dim=1, keepdim=True).amax(dim=1, keepdim=True) + 1)  # noqa: E731
+    hook = fh.grad_hook(body)
     p = torch.nn.Parameter(torch.zeros(3, 4))
     p.grad = torch.ones(3, 4)
-    with pytest.warns(UserWarning, match="reduces over dimensions.*runs as eager torch ops") as record:
+    with pytest.warns(UserWarning, match="`amax` over dimensions of a value that is not shaped like the gradient, "
+                                         "which is not compiled into Triton kernels: it runs as eager torch ops") as record:
         hook.register(p)
         hook(p)
         hook(p)
     assert len(record) == 1
-    with pytest.raises(CompileError, match="Triton backend does not compile yet; use backend='reference'"):
-        fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True), backend="triton").register(
-            torch.nn.Parameter(torch.zeros(3, 4)))
+    assert_same_values(p.grad, body(body(torch.ones(3, 4))))
+    with pytest.raises(CompileError, match="which the Triton backend does not compile; use backend='reference'"):
+        fh.grad_hook(body, backend="triton").register(torch.nn.Parameter(torch.zeros(3, 4)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # what compiles is not warned about
+        fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True)).register(p)
+        hook(p)
 
 
 def test_refusals_at_decoration():
@@ -192,6 +264,7 @@ def _conv_net():
 @pytest.mark.parametrize("bucket_mb", [None, 25], ids=["per-firing", "buckets"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_agc_equals_timm_over_20_steps(backend, bucket_mb):
+    """Parameters within 1e-6 after 20 steps on every backend (the kernels' norms are fp64, timm's fp32)."""
     model, reference = _conv_net(), _conv_net()
     hook = fh.agc(clip_factor=0.01, eps=1e-3, backend=None if backend == "auto" else backend, stats=("norm",))
     with warnings.catch_warnings():
@@ -234,8 +307,26 @@ def test_plan_takes_the_shape():
     assert "dim=1" in str(plan)
     with pytest.raises(ValueError, match="pass shape="):
         hook.plan(numel=1000)
-    with pytest.raises(CompileError, match="runs as eager torch ops, not as a Triton kernel"):
+    with pytest.raises(ValueError, match="pass shape="):
         hook.source()
-    if not torch.cuda.is_available():
-        assert fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True)).plan(shape=(8, 8), device="cpu").backend in (
-            "eager", "reference")
+
+
+def test_plan_keeps_one_pass_for_rows_and_two_for_columns():
+    rows = fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True), backend="triton")
+    columns = fh.grad_hook(lambda g: g / g.norm(dim=0, keepdim=True), backend="triton")
+    plan = rows.plan(shape=(4096, 1024), device="cpu")
+    assert (plan.backend, plan.passes, plan.launches, plan.bytes_per_element) == ("triton", 1, 1, 8)
+    assert "4,096 units of 1,024 elements" in str(plan) and "in one pass" in str(plan)
+    plan = columns.plan(shape=(4096, 1024), device="cpu")
+    assert (plan.passes, plan.launches, plan.bytes_per_element) == (2, 2, 12)
+    assert "1,024 units of 4,096 elements" in str(plan) and "read by index" in str(plan)
+    # rows longer than a program holds: a reduction pass
+    assert rows.plan(shape=(16, 8192), device="cpu").passes == 2
+    # a whole-tensor reduction beside them: its pass, the rows' pass, the elementwise pass (two reads)
+    mixed = fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True) / g.norm(), backend="triton")
+    assert (lambda p: (p.passes, p.launches))(mixed.plan(shape=(64, 64), device="cpu")) == (2, 3)
+    source = rows.source(shape=(4096, 1024))
+    assert "def fused_hook_units(" in source and "def reduce_units" not in source
+    assert "dim=1" not in source and "(4096" not in source  # the kernel takes the sizes: every shape shares it
+    assert rows.source(shape=(7, 3)) == source
+    assert "def reduce_units1_0(" in columns.source(shape=(4096, 1024))
