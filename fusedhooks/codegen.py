@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .ir import COMPARISONS, STAT_NAMES, Graph, Node, computes_in_operand_dtype, is_reduction, reduction_spec
 from . import dims
+from .ir import COMPARISONS, STAT_NAMES, Graph, Node, computes_in_operand_dtype, is_reduction, reduction_spec
 from .plan import PARTIAL_FLAGS, Plan, partial_flags
 
 KERNEL_NAME = "fused_hook"
@@ -636,7 +636,8 @@ class _KernelWriter:
         lines = []
         for k, rs in enumerate(sets):
             flags = ", ".join(f"{f}={rs.flags.get(f, False)}" for f in PARTIAL_FLAGS)
-            lines.append(f"st = finalize_stats(partials_ptr, {k}, {len(sets)}, numel, {num_blocks}, {per_program}, RBLOCK, "
+            lines.append(f"st = finalize_stats(partials_ptr, {k}, {len(sets)}, numel, {num_blocks}, {per_program}, "
+                         "RBLOCK, "
                          f"{rs.correction!r}, {flags})")
             for spec, _node, action in rs.uses:
                 lines.append(action.format(_merged(spec)))
@@ -808,7 +809,8 @@ class _KernelWriter:
                    f"delta{k} = mean{k} - {acc}_mean",
                    f"n{k} = {acc}_n + c{k}",
                    f"{acc}_mean += delta{k} * (c{k} / n{k})",
-                   f"{acc}_m2 += per_unit_sum(dev{k} * dev{k}, {shape}) + delta{k} * delta{k} * ({acc}_n * c{k} / n{k})",
+                   f"{acc}_m2 += per_unit_sum(dev{k} * dev{k}, {shape}) "
+                   f"+ delta{k} * delta{k} * ({acc}_n * c{k} / n{k})",
                    f"{acc}_n = n{k}"]
             var = f"{acc}_m2 / tl.maximum({n} - {spec.correction!r}, 0.0)"
             result = var if spec.stat == "var" else f"tl.sqrt({var})"

@@ -267,7 +267,7 @@ class Broadcast:
     op: str = "broadcast"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def row_major_strides(shape: tuple) -> tuple[int, ...]:
     strides, step = [], 1
     for s in reversed(shape):

@@ -227,8 +227,9 @@ def bind(module, multi: bool, grid: int, workspace: Workspace, scalars: list[tor
         else:
             args.append(values[role])
     names = spec.multi_kernels if multi else spec.kernels_for(grid)
-    return Bound(tuple(getattr(module, name) for name in names), tuple((spec.grid_of(name, grid, n),) for name in names),
-                 args, meta, tuple(slots), tuple({} for _ in names))
+    grids = tuple((spec.grid_of(name, grid, n),) for name in names)
+    return Bound(tuple(getattr(module, name) for name in names), grids, args, meta, tuple(slots),
+                 tuple({} for _ in names))
 
 
 def run_bound(bound: Bound, tensors: dict) -> None:

@@ -92,7 +92,8 @@ def test_generated_signatures_match_the_kernels(family, dtype):
     """SIGNATURES (what ahead-of-time builds compile with) lists every kernel's arguments, in order, and the launch
     spec (what the runtime binds arguments from) names the same arguments in the same order, and every kernel."""
     hook = build.families()[family]
-    plan = make_plan(hook._graph(dtype, build.DIMS_SHAPE if hook.reduces_over_dims else None), hook.stat_names, hook.input_stat_names, hist_range=hook.hist_range)
+    graph = hook._graph(dtype, build.DIMS_SHAPE if hook.reduces_over_dims else None)
+    plan = make_plan(graph, hook.stat_names, hook.input_stat_names, hist_range=hook.hist_range)
     module = codegen.load(*codegen.generate_with_spec(plan, "cpu"))
     spec = module.SPEC
     assert module.SIGNATURES

@@ -51,14 +51,14 @@ def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def train(backend, mode, compile_backend, hooked=True, bucket_mb=None, steps=2, torch_hook=False):
+def train(backend, mode, compile_backend, hooked=True, bucket_mb=None, steps=2, torch_hook=False, make=make_hook):
     """Run `steps` SGD steps; the second backward accumulates into the first's .grad (zeroed in place,
     not set to None), so both AccumulateGrad branches (new .grad, existing .grad) run. Returns the
     gradients and statistics after each backward, and the graph breaks counted."""
     torch._dynamo.reset()
     counters.clear()
     model = make_model()
-    hook = make_hook(backend)
+    hook = make(backend)
     if hooked:
         if torch_hook:
             for p in model.parameters():
@@ -126,6 +126,20 @@ def test_compiled_autograd_with_buckets():
     got, breaks = train("triton", "compiled_autograd", "aot_eager", bucket_mb=1)
     assert_same(got, expected)
     assert breaks == breaks_without
+
+
+def test_compiled_autograd_with_an_agc_hook():
+    """A body that reduces over dimensions (planned per shape; one kernel over units) through the fusedhooks::fire
+    op: the same gradients and statistics as eager."""
+    def make(backend):
+        return fh.agc(0.01, stats=STATS, backend=backend)
+
+    expected, _ = train("triton", "eager", None, make=make)
+    unhooked, breaks_without = train("triton", "compiled_autograd", "aot_eager", hooked=False)
+    got, breaks = train("triton", "compiled_autograd", "aot_eager", make=make)
+    assert_same(got, expected)
+    assert breaks == breaks_without
+    assert not torch.equal(unhooked[0][0]["0.weight"], expected[0][0]["0.weight"])  # AGC clipped
 
 
 def test_compiled_autograd_inductor():

@@ -193,8 +193,9 @@ def test_auto_falls_back_to_eager_torch_with_one_warning_and_triton_is_refused(m
     hook = fh.grad_hook(body)
     p = torch.nn.Parameter(torch.zeros(3, 4))
     p.grad = torch.ones(3, 4)
-    with pytest.warns(UserWarning, match="`amax` over dimensions of a value that is not shaped like the gradient, "
-                                         "which is not compiled into Triton kernels: it runs as eager torch ops") as record:
+    message = ("`amax` over dimensions of a value that is not shaped like the gradient, which is not compiled into "
+               "Triton kernels: it runs as eager torch ops")
+    with pytest.warns(UserWarning, match=message) as record:
         hook.register(p)
         hook(p)
         hook(p)

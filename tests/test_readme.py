@@ -45,3 +45,14 @@ def test_compile_snippet_runs():
     namespace = {}
     exec(compile(_snippet("### torch.compile and compiled autograd"), "README compile", "exec"), namespace)
     assert namespace["hook"].stats.read()["0.weight"]["nan"] == 0
+
+
+def test_reductions_over_dimensions_snippets_run(capsys):
+    section = re.search(r"### Over dimensions, and unit-wise clipping \(AGC\)\n(.*?)\n## ", README.read_text(),
+                        re.S).group(1)
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    namespace = {}
+    exec(compile("import torch\nimport fusedhooks as fh\n" + blocks[0] + blocks[1], "README dims", "exec"), namespace)
+    rows, columns = namespace["normalize_rows"], namespace["center_columns"]
+    assert rows.plan(shape=(4096, 1024)).passes == 1 and columns.plan(shape=(4096, 1024)).passes == 2
+    assert "4,096 units of 1,024 elements" in capsys.readouterr().out
