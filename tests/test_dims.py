@@ -95,6 +95,31 @@ def test_reduction_over_dims_equals_eager_torch(name, shape, dtype, backend):
             "triton" if backend == "auto" else backend)  # auto: the interpreter compiles every body here
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("name", BODIES)
+def test_bucketed_every_shape_at_once(name, dtype, monkeypatch):
+    """Every shape of a body in one bucket (plus an empty gradient): the same values as eager torch, one launch per
+    pass for each set of kernels (the one-pass kernel: every shape it takes; the others: one shape each)."""
+    fn, shapes = BODIES[name]
+    grads = [_gradient(shape, dtype, seed=i) for i, shape in enumerate(shapes)]
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
+    empty = torch.nn.Parameter(torch.zeros(0, 5, dtype=dtype)) if name == "row_norm" else None
+    hook = fh.grad_hook(fn, backend="triton", stats=("count", "max"))
+    hook.register(params + ([empty] if empty is not None else []), bucket_mb=25)
+    launches = count_launches(monkeypatch)
+    loss = sum((p * g).sum() for p, g in zip(params, grads))
+    if empty is not None:
+        loss = loss + empty.sum()
+    loss.backward()
+    for p, g in zip(params, grads):
+        assert_matches(p.grad, fn(g.clone()).to(dtype), "triton", dtype)
+    modules = {hook.compiled(dtype, p.device, shape=p.shape).kernel for p in params}
+    expected = sum(len(module.SPEC.multi_kernels) for module in modules)
+    assert len(launches) == expected and all(n.endswith("_multi") for n, _ in launches)
+    if empty is not None:
+        assert empty.grad.shape == (0, 5) and hook.stats.read()["param" + str(len(params))]["count"] == 0
+
+
 #: one reduction per body, read back where its units are: NaN and Inf in some units
 NAN_INF_BODIES = {
     "sum": lambda g: g - g.sum(dim=1, keepdim=True),
