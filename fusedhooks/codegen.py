@@ -794,22 +794,27 @@ class _KernelWriter:
             x64 = f"tl.abs({x64})"
         units = tile[0]
         shape = ", ".join(tile)
+        axis = 1 if tile[2] == "True" else 0
+
+        def per_unit(reduce: str, value: str) -> str:  # each unit's lanes of `value` reduced (tl.sum/max/min)
+            return f"tl.{reduce}(as_units({value}, {shape}), axis={axis})"
+
         acc, add = f"a{k}", []
         if spec.stat in ("sum", "mean", "norm"):
             init = [f"{acc} = tl.zeros([{units}], tl.float64)"]
             value = f"{x64} * {x64}" if spec.stat == "norm" else x64
-            add = [f"{acc} += per_unit_sum(tl.where(mask, {value}, 0.0), {shape})"]
+            add = [f"{acc} += {per_unit('sum', f'tl.where(mask, {value}, 0.0)')}"]
             result = {"sum": acc, "mean": f"{acc} / {n}", "norm": f"tl.sqrt({acc})"}[spec.stat]
         elif spec.stat in ("var", "std"):  # Chan's merge of each chunk's mean and squared deviations
             init = [f"{acc}_mean = tl.zeros([{units}], tl.float64)", f"{acc}_m2 = tl.zeros([{units}], tl.float64)",
                     f"{acc}_n = tl.full([], 0.0, tl.float64)"]
             add = [f"c{k} = {count}",
-                   f"mean{k} = per_unit_sum(tl.where(mask, {x64}, 0.0), {shape}) / c{k}",
+                   f"mean{k} = {per_unit('sum', f'tl.where(mask, {x64}, 0.0)')} / c{k}",
                    f"dev{k} = tl.where(mask, {x64} - to_lanes(mean{k}, {shape}), 0.0)",
                    f"delta{k} = mean{k} - {acc}_mean",
                    f"n{k} = {acc}_n + c{k}",
                    f"{acc}_mean += delta{k} * (c{k} / n{k})",
-                   f"{acc}_m2 += per_unit_sum(dev{k} * dev{k}, {shape}) "
+                   f"{acc}_m2 += {per_unit('sum', f'dev{k} * dev{k}')} "
                    f"+ delta{k} * delta{k} * ({acc}_n * c{k} / n{k})",
                    f"{acc}_n = n{k}"]
             var = f"{acc}_m2 / tl.maximum({n} - {spec.correction!r}, 0.0)"
@@ -820,14 +825,14 @@ class _KernelWriter:
             if spec.stat == "absmax":
                 x64 = f"tl.abs({x64})"
             init = [f"{acc} = tl.full([{units}], {fill}, tl.float64)", f"{acc}_nan = tl.zeros([{units}], tl.int32)"]
-            pick = "per_unit_max" if largest else "per_unit_min"
             merge = "tl.maximum" if largest else "tl.minimum"
-            add = [f"{acc} = {merge}({acc}, {pick}(tl.where(mask & ({x64} == {x64}), {x64}, {fill}), {shape}))",
-                   f"{acc}_nan += per_unit_sum((mask & ({x64} != {x64})).to(tl.int32), {shape})"]
+            numbers = f"tl.where(mask & ({x64} == {x64}), {x64}, {fill})"
+            add = [f"{acc} = {merge}({acc}, {per_unit('max' if largest else 'min', numbers)})",
+                   f"{acc}_nan += {per_unit('sum', f'(mask & ({x64} != {x64})).to(tl.int32)')}"]
             result = f'tl.where({acc}_nan > 0, float("nan"), {acc})'
         else:  # all / any: zeros counted
             init = [f"{acc} = tl.zeros([{units}], tl.int32)"]
-            add = [f"{acc} += per_unit_sum((mask & ({x64} == 0)).to(tl.int32), {shape})"]
+            add = [f"{acc} += {per_unit('sum', f'(mask & ({x64} == 0)).to(tl.int32)')}"]
             result = f"({acc} == 0)" if spec.test == "all" else f"({acc} < {n})"
         return init, add, result
 
@@ -1042,7 +1047,7 @@ def generate_with_spec(plan: Plan, device_type: str) -> tuple[str, LaunchSpec]:
         "",
         "from fusedhooks.kernels.elementwise import bf16_to_fp32, pow_scalar, round_to_bf16, round_to_fp16, to_bf16",
         "from fusedhooks.kernels.stats import finalize_stats, hist_accumulate, hist_flush, store_partials",
-        *(["from fusedhooks.kernels.units import per_unit_max, per_unit_min, per_unit_sum, to_lanes"]
+        *(["from fusedhooks.kernels.units import as_units, to_lanes"]
           if plan.units is not None else []),
         "",
         f"HIST_PAD = tl.constexpr({_hist_pad(plan.hist_bins)})",

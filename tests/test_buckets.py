@@ -32,14 +32,16 @@ def loss_of(model, batch):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-@pytest.mark.parametrize("body, stats", [(clip, "all"), (lambda grad: grad / (grad.norm() + 1e-6), ("norm", "max"))],
-                         ids=["clip_all_stats", "normalize"])
-def test_bucketed_equals_unbucketed_and_launch_count(body, stats, monkeypatch):
+BUCKET_MB = 0.05
+
+
+def bucketed_and_alone(make_hook, monkeypatch):
+    """Two identical tiny GPT-2 models, hooks from make_hook(): one registered with BUCKET_MB buckets, one processing
+    each gradient at its firing; one backward each. Returns the models, the hooks, every launch (the bucketed model's
+    first) and how many the bucketed backward made; each gradient is the same bits both ways."""
     a, b, batch = tiny_pair()
-    bucket_mb = 0.05
-    hook_a = fh.grad_hook(body, stats=stats, input_stats="all", backend="triton")
-    hook_b = fh.grad_hook(body, stats=stats, input_stats="all", backend="triton")
-    hook_a.register(a, bucket_mb=bucket_mb)
+    hook_a, hook_b = make_hook(), make_hook()
+    hook_a.register(a, bucket_mb=BUCKET_MB)
     hook_b.register(b, bucket_mb=0)
     launches = count_launches(monkeypatch)
     loss_of(a, batch).backward()
@@ -47,10 +49,22 @@ def test_bucketed_equals_unbucketed_and_launch_count(body, stats, monkeypatch):
     loss_of(b, batch).backward()
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p.grad, q.grad), name
+    return a, b, hook_a, hook_b, launches, bucketed
+
+
+def launch_bound(model, passes: int) -> int:
+    """One launch per pass per bucket of BUCKET_MB, and two buckets of slack."""
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return (math.ceil(total_bytes / (BUCKET_MB * 2**20)) + 2) * passes
+
+
+@pytest.mark.parametrize("body, stats", [(clip, "all"), (lambda grad: grad / (grad.norm() + 1e-6), ("norm", "max"))],
+                         ids=["clip_all_stats", "normalize"])
+def test_bucketed_equals_unbucketed_and_launch_count(body, stats, monkeypatch):
+    a, _, hook_a, hook_b, launches, bucketed = bucketed_and_alone(
+        lambda: fh.grad_hook(body, stats=stats, input_stats="all", backend="triton"), monkeypatch)
     assert hook_a.stats.read() == hook_b.stats.read()
-    total_bytes = sum(p.numel() * p.element_size() for p in a.parameters())
-    passes = hook_a.plan(numel=1 << 20).levels + 1
-    assert bucketed <= (math.ceil(total_bytes / (bucket_mb * 2**20)) + 2) * passes
+    assert bucketed <= launch_bound(a, hook_a.plan(numel=1 << 20).levels + 1)
     assert bucketed < len(launches) - bucketed                 # far fewer than one per parameter
     assert all(name.endswith("_multi") for name, _ in launches[:bucketed])
 
@@ -58,26 +72,15 @@ def test_bucketed_equals_unbucketed_and_launch_count(body, stats, monkeypatch):
 def test_launch_bound_holds_with_an_agc_hook(monkeypatch):
     """AGC reduces each unit (a row; the whole of a 1-d tensor): one kernel over whole units serves every shape of
     the model, so a bucket is one launch, and the bound above holds."""
-    a, b, batch = tiny_pair()
-    bucket_mb = 0.05
-    hook_a = fh.agc(0.01, stats="all", backend="triton")
-    hook_b = fh.agc(0.01, stats="all", backend="triton")
-    hook_a.register(a, bucket_mb=bucket_mb)
-    hook_b.register(b, bucket_mb=0)
-    launches = count_launches(monkeypatch)
-    loss_of(a, batch).backward()
-    bucketed = len(launches)
-    loss_of(b, batch).backward()
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(p.grad, q.grad), name
+    a, b, hook_a, hook_b, launches, bucketed = bucketed_and_alone(
+        lambda: fh.agc(0.01, stats="all", backend="triton"), monkeypatch)
     rows_a, rows_b = hook_a.stats.read(), hook_b.stats.read()
     for name, row in rows_a.items():  # statistics: partials over other programs (UNITS differs), merged in fp64
         assert row["max"] == rows_b[name]["max"] and row["count"] == rows_b[name]["count"]
         assert row["norm"] == pytest.approx(rows_b[name]["norm"], rel=1e-12)
-    total_bytes = sum(p.numel() * p.element_size() for p in a.parameters())
     passes = max(hook_a.plan(shape=p.shape, device="cpu").passes for p in a.parameters())
     assert passes == 1
-    assert bucketed <= (math.ceil(total_bytes / (bucket_mb * 2**20)) + 2) * passes
+    assert bucketed <= launch_bound(a, passes)
     assert {name for name, _ in launches[:bucketed]} == {"fused_hook_units_multi"}
     assert len(launches) - bucketed == len(list(b.parameters()))
 
