@@ -175,7 +175,7 @@ class Bench:
     def launches(self, impl: Impl, step, dtype: torch.dtype, model: bool) -> tuple[int | None, str]:
         """Kernel launches per call (for the model: added to the no-hook step), and how they were counted."""
         counted = None
-        if impl.fh_hook is not None and impl.fh_hook.plan(numel=1, device=self.device).backend == "triton":
+        if impl.fh_hook is not None and impl.fh_hook.plan(shape=(1,), device=self.device).backend == "triton":
             with fusedhooks_launch_counter() as count:
                 step()
                 synchronize(self.device)
@@ -209,7 +209,7 @@ class Bench:
         self.report.titles[name] = workload.title
         for dtype in self.args.dtypes:
             for numel in self.args.sizes:
-                param = torch.zeros(numel, dtype=dtype, device=self.device, requires_grad=True)
+                param = torch.zeros(workload.param_shape(numel), dtype=dtype, device=self.device, requires_grad=True)
                 param.grad = torch.empty_like(param)
                 env = Env(self.device, dtype, [(f"grad{human(numel)}", param)], torch.optim.SGD([param], lr=0.0))
                 copy = self.copy_baseline(param.grad)

@@ -133,6 +133,10 @@ class Workload:
     #: Whether the seed-style hook differs from `eager` (it reads something with .item()).
     has_item_variant = True
 
+    def param_shape(self, numel: int) -> tuple[int, ...]:
+        """The shape of the parameter of `numel` elements the sweep runs on (default: 1-d)."""
+        return (numel,)
+
     # --- fusedhooks ---------------------------------------------------------------------------------------------
 
     def fusedhooks_hook(self, env: Env) -> fh.GradHook:
@@ -146,14 +150,14 @@ class Workload:
     def fusedhooks(self, env: Env) -> Impl:
         hook = self.fusedhooks_hook(env)
         after, launches, reads, writes = self.fusedhooks_after(hook, env)
-        plans = [hook.plan(numel=p.numel(), dtype=p.dtype, device=env.device) for p in env.tensors]
+        plans = [hook.plan(shape=tuple(p.shape), dtype=p.dtype, device=env.device) for p in env.tensors]
         total = sum(p.numel() for p in env.tensors)
         moved = sum(pl.bytes_per_element * p.numel() for pl, p in zip(plans, env.tensors))
         moved += (reads + writes) * env.dtype.itemsize * total
         structure = {"passes": sum(pl.passes for pl in plans) + reads,
                      "writes": sum(pl.writes for pl in plans) + writes,
                      "launches": sum(pl.launches for pl in plans) + launches,
-                     "launches_from": "hook.plan(numel=, dtype=).launches" + (" + the global clip's" if after else "")}
+                     "launches_from": "hook.plan(shape=, dtype=).launches" + (" + the global clip's" if after else "")}
         return Impl(hooks=[hook] * len(env.params), after=after, bytes_per_element=moved / total, fh_hook=hook,
                     fh_structure=structure)
 
@@ -280,6 +284,43 @@ class Normalize(Workload):
         raise NotApplicable("no torch built-in normalises a tensor by its own norm in place")
 
 
+class Agc(Workload):
+    """Unit-wise adaptive gradient clipping (timm's adaptive_clip_grad) of a weight with rows of ROW elements (1-d
+    below ROW): each row's gradient norm against clip_factor times its parameter's norm. The parameter is zero, so
+    every row is clipped to norm 1e-5 at each firing (repeated firings stay in range)."""
+
+    name, title = "agc", "unit-wise clipping (AGC)"
+    eager_traffic = (9, 0)  # param norm read, grad norm read, g * ratio r+w, where r+r+w, copy_ r+w
+    has_item_variant = False
+    ROW = 1024
+    CLIP_FACTOR, AGC_EPS = 0.01, 1e-3
+
+    def param_shape(self, numel):
+        return (numel // self.ROW, self.ROW) if numel >= self.ROW and numel % self.ROW == 0 else (numel,)
+
+    def fusedhooks_hook(self, env):
+        return fh.agc(self.CLIP_FACTOR, self.AGC_EPS)
+
+    def setup(self, env, sync):
+        return list(env.tensors), None  # the eager hook reads each gradient's parameter
+
+    @staticmethod
+    def on_grad(g, p, sync):
+        dims = tuple(range(1, g.ndim))
+
+        def unitwise_norm(x):
+            return x.norm(2.0) if x.ndim <= 1 else x.norm(2.0, dim=dims, keepdim=True)
+
+        max_norm = unitwise_norm(p.detach()).clamp_(min=Agc.AGC_EPS).mul_(Agc.CLIP_FACTOR)
+        grad_norm = unitwise_norm(g)
+        clipped = g * (max_norm / grad_norm.clamp(min=1e-6))
+        g.copy_(torch.where(grad_norm < max_norm, g, clipped))
+
+    def builtin(self, env):
+        raise NotApplicable("no torch built-in clips unit-wise (timm's adaptive_clip_grad is the eager provider's "
+                            "formula)")
+
+
 class AmpClip(Workload):
     """AMP unscaling, NaN/Inf check and per-parameter norms in the hook, then global-norm clipping.
 
@@ -372,7 +413,7 @@ class AmpClip(Workload):
 
 
 #: In run order, the DESIGN's headline first (so that a run cut short by a time budget has it).
-WORKLOADS = {w.name: w for w in (ClipStats(), ClipScale(), Normalize(), AmpClip())}
+WORKLOADS = {w.name: w for w in (ClipStats(), ClipScale(), Normalize(), AmpClip(), Agc())}
 #: The per-parameter work of the model workload: the DESIGN target (clip + all statistics on every parameter).
 MODEL_WORK = WORKLOADS["clip_stats"]
 

@@ -81,11 +81,17 @@ class Plan:
 
     @functools.cached_property
     def units(self) -> dims.Units | None:
-        """The reductions over dimensions of a Triton plan for one gradient shape (None: the body has none, or it
-        runs as eager torch ops); raises dims.Unsupported for a body the kernels do not compile."""
-        if self.backend != "triton" or not self.graph.reduces_over_dims:
+        """The reductions over dimensions of a plan for one gradient shape, as the Triton kernels run them (the
+        passes of every backend's plan are the kernels'); None: the body has none. For a Triton plan, raises
+        dims.Unsupported for a body the kernels do not compile; for the others, None then."""
+        if not self.graph.reduces_over_dims:
             return None
-        return dims.analyse(self.graph)
+        try:
+            return dims.analyse(self.graph)
+        except dims.Unsupported:
+            if self.backend == "triton":
+                raise
+            return None
 
     @functools.cached_property
     def levels(self) -> int:

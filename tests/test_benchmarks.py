@@ -93,12 +93,16 @@ def test_quick_run_sweep_figures(quick):
     assert fused("clip_stats", "fp32", large)["bytes_per_element"] == 8
     assert fused("clip_stats", "bf16", large)["bytes_per_element"] == 4
     assert fused("clip_stats", "fp32", large)["fusedhooks_plan"] == {
-        "passes": 1, "writes": 1, "launches": 1, "launches_from": "hook.plan(numel=, dtype=).launches"}
+        "passes": 1, "writes": 1, "launches": 1, "launches_from": "hook.plan(shape=, dtype=).launches"}
     assert fused("normalize", "fp32", small)["launches"] == 1
     assert fused("normalize", "fp32", large)["launches"] == 2
     assert fused("normalize", "fp32", large)["bytes_per_element"] == 12
     assert fused("amp_clip", "fp32", large)["bytes_per_element"] == 16  # hook r+w, then the clip's r+w
     assert fused("amp_clip", "fp32", large)["launches"] == 2
+    # AGC on rows of 1024 elements: one pass over whole rows, reading the gradient and the parameter once
+    assert fused("agc", "fp32", large)["fusedhooks_plan"]["passes"] == 1
+    assert fused("agc", "fp32", large)["bytes_per_element"] == 12
+    assert results[("agc", "eager", "fp32", large)]["bytes_per_element"] == 36
     # the others' bytes follow their known passes
     assert results[("clip_scale", "eager", "fp32", large)]["bytes_per_element"] == 16
     assert results[("clip_scale", "torch built-in", "bf16", large)]["bytes_per_element"] == 12
