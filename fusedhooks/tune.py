@@ -80,6 +80,9 @@ def _progress(total: int, label: str):
 def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: torch.device, quick: bool = False,
          reps: int = 3) -> dict:
     """Tune `hook`'s kernels on `device`; returns {digest: entry} and writes them to the tuning cache."""
+    if hook.reduces_over_dims:
+        raise ValueError(f"{hook.__name__} reduces over dimensions: its kernels are planned per gradient shape, which "
+                         "tuning (by size) does not cover yet; its launches use the untuned BLOCK and warps")
     timed = _timer(device)
     configs = candidates(device, quick)
     results = {}

@@ -5,6 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
+import fusedhooks as fh
+from fusedhooks.tune import tune
+
 USE_CACHE = """
 import json, sys, torch
 import fusedhooks as fh
@@ -50,3 +56,8 @@ def test_tune_writes_the_cache_and_a_later_process_uses_it(tmp_path):
         used = json.loads(run([], env, USE_CACHE).strip().splitlines()[-1])
         assert used["plan_block"] == block
         assert used["launches"] == [[[-(-100_000 // block)], block]]
+
+
+def test_tuning_a_body_planned_per_shape_is_refused():
+    with pytest.raises(ValueError, match="reduces over dimensions: its kernels are planned per gradient shape"):
+        tune(fh.agc(0.01), [4096], [torch.float32], torch.device("cpu"))
