@@ -571,9 +571,15 @@ class GradHook:
             groups.setdefault((t.device, t.dtype, e.bucket_bytes, e.averaged), []).append(t)
         lines, total = [], 0
         for (device, dtype, bucket_bytes, averaged), tensors in groups.items():
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            if self.reduces_over_dims:  # planned per shape: a bucket launches each of its kernel sets' passes
+                launches, how = self._explain_per_shape(device, dtype, tensors, bucket_bytes, averaged, nbytes)
+                total += launches
+                lines.append(f"  {device} {str(dtype).removeprefix('torch.')}: {len(tensors)} tensors, "
+                             f"{nbytes / 2**20:.2f} MB of gradients, {how}: <= {launches} launches")
+                continue
             plan = self.plan(numel=1 << 30, dtype=dtype, device=device)
             passes = plan.levels + 1
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
             if averaged:
                 launches = len(tensors) * passes
                 how = f"in DDP's buckets (averaged), {passes} launch(es) per bucket: at most one per tensor"
@@ -589,6 +595,21 @@ class GradHook:
                          f"{nbytes / 2**20:.2f} MB of gradients, {how}: <= {launches} launches")
         return BackwardPlan(total, "\n".join([f"fusedhooks backward plan: <= {total} launches per backward"]
                                              + lines))
+
+    def _explain_per_shape(self, device, dtype, tensors, bucket_bytes, averaged, nbytes) -> tuple[int, str]:
+        """`explain` of tensors of a body planned per shape: (launches, how)."""
+        plans = [self.plan(shape=tuple(t.shape), dtype=dtype, device=device) for t in tensors]
+        if averaged or not bucket_bytes:
+            where = "in DDP's buckets (averaged), each tensor's passes" if averaged else "each at its own firing"
+            return sum(p.launches for p in plans), where
+        sets: dict[object, int] = {}  # the kernels a bucket shares (see buckets.process_together) -> their launches
+        for t, p in zip(tensors, plans):
+            compiled = self.compiled(dtype, device, shape=tuple(t.shape)) if p.backend == "triton" else None
+            sets[compiled.kernel if compiled is not None else tuple(t.shape)] = p.launches
+        buckets = nbytes // bucket_bytes + 1
+        return buckets * sum(sets.values()), (f"at most {buckets} end-of-backward bucket(s) of "
+                                              f"{bucket_bytes / 2**20:g} MB x {sum(sets.values())} launch(es) of "
+                                              f"{len(sets)} kernel set(s) (planned per shape)")
 
     @contextlib.contextmanager
     def paused(self):

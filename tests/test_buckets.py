@@ -190,3 +190,15 @@ def test_hook_called_by_hand_outside_backward_still_fires():
 def test_bad_bucket_size_is_refused():
     with pytest.raises(ValueError, match="bucket_mb"):
         fh.grad_hook(clip).register(torch.nn.Linear(2, 2), bucket_mb=-1)
+
+
+@pytest.mark.parametrize("bucket_mb", [0, BUCKET_MB])
+def test_explain_bounds_the_launches_of_a_body_planned_per_shape(bucket_mb, monkeypatch):
+    a, _, batch = tiny_pair()
+    hook = fh.grad_hook(lambda g: g - g.mean(dim=0), backend="triton")  # columns: two passes for each matrix
+    hook.register(a, bucket_mb=bucket_mb)
+    report = hook.explain()
+    launches = count_launches(monkeypatch)
+    loss_of(a, batch).backward()
+    assert 0 < len(launches) <= report.launches_per_backward
+    assert ("planned per shape" in str(report)) == bool(bucket_mb)
