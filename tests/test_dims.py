@@ -356,3 +356,44 @@ def test_plan_keeps_one_pass_for_rows_and_two_for_columns():
     assert "dim=1" not in source and "(4096" not in source  # the kernel takes the sizes: every shape shares it
     assert rows.source(shape=(7, 3)) == source
     assert "def reduce_units1_0(" in columns.source(shape=(4096, 1024))
+
+
+AMP_BODIES = {"rows": lambda g: g / (g.norm(dim=-1, keepdim=True) + 1),       # one pass (biases: one unit)
+              "columns": lambda g: g - 0.5 * g.mean(dim=0)}                     # a reduction pass, then elementwise
+
+
+@pytest.mark.parametrize("name", AMP_BODIES)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_amp_unscales_before_the_body_and_finds_inf(name, backend):
+    """scaler=: every pass sees grad / scale; an Inf step is skipped and the scale backs off, as with unscale_()."""
+    fn = AMP_BODIES[name]
+    results = []
+    for use_hook in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+        if use_hook:
+            fh.grad_hook(fn, scaler=scaler, optimizer=opt, backend=backend).register(model)
+        gen = torch.Generator().manual_seed(1)
+        scales, skipped = [], []
+        for step in range(8):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(torch.randn(32, 8, generator=gen)),
+                                                torch.randn(32, 4, generator=gen))
+            scaler.scale(loss * (math.inf if step == 4 else 1.0)).backward()
+            if not use_hook:
+                scaler.unscale_(opt)
+                for p in model.parameters():
+                    p.grad.copy_(fn(p.grad))
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
+            scales.append(scaler.get_scale())
+        results.append((scales, skipped, [p.detach().clone() for p in model.parameters()]))
+    (ref_scales, ref_skipped, ref_params), (scales, skipped, params) = results
+    assert skipped == ref_skipped and skipped[4] and not skipped[3]
+    assert scales == ref_scales
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
