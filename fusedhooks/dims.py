@@ -19,8 +19,10 @@ from .ir import Graph, Node, is_reduction
 
 #: Elements of one unit-reduction kernel's tile (fp64: half as many).
 REDUCE_TILE = 2048
-#: Units side by side in a tile when the innermost dim is kept (column-wise): 64 contiguous elements per load.
-COLUMN_UNITS = 64
+#: Units side by side in a tile when the innermost dim is kept (column-wise): from 16 (64 contiguous bytes of fp32 per
+#: row of the tile) to 64, fewer when that leaves under TARGET_PROGRAMS programs (each reduces its units alone).
+COLUMN_UNITS = (16, 64)
+TARGET_PROGRAMS = 256
 
 
 class Unsupported(Exception):
@@ -137,7 +139,8 @@ class Units:
         if r.rows:
             elements = min(_pow2(r.n_reduced), size)
             return Tile(min(size // elements, _pow2(r.n_units)), elements, True)
-        units = min(_pow2(r.n_units), COLUMN_UNITS)
+        low, high = COLUMN_UNITS
+        units = min(_pow2(r.n_units), max(low, min(high, _pow2(r.n_units) // TARGET_PROGRAMS)))
         return Tile(units, min(size // units, _pow2(r.n_reduced)), False)
 
     def groups(self, graph: Graph, level: int) -> list[list[UnitReduction]]:
