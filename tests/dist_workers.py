@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from helpers import check_stats
+from helpers import check_stats, timm_agc_
 
 STATS = ("count", "sum", "mean", "sumsq", "norm", "var", "std", "min", "max", "absmax", "nan", "inf", "zeros")
 INPUT_STATS = ("count", "mean", "norm", "var", "std", "min", "max", "absmax")
@@ -216,9 +216,38 @@ def _raises(kind, match: str, call) -> None:
         raise AssertionError(f"expected {kind.__name__} matching {match!r}")
 
 
+def ddp_agc(rank: int, world: int, device) -> None:
+    """register(ddp_model) with fh.agc (a body planned per shape: rows of each weight, the whole of each bias):
+    AGC of the averaged gradient, as timm's formula on the reference's averaged gradient."""
+    import fusedhooks as fh
+
+    model = _mlp(device)
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    hook = fh.agc(0.01, stats=("norm",))
+    hook.register(ddp)
+    clipped = 0
+    for step in range(3):
+        x = _batch(rank, step, 0, 16, device)
+        _loss(ddp, x).backward()
+        _loss(ref, x).backward()
+        for q in ref.parameters():
+            q.grad = _averaged(q.grad, world)
+        before = [q.grad.clone() for q in ref.parameters()]
+        timm_agc_(ref.parameters())
+        clipped += sum(not torch.equal(b, q.grad) for b, q in zip(before, ref.parameters()))
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=f"step {step}: {name}")
+        ddp.zero_grad()
+        ref.zero_grad()
+    assert clipped > 0
+    assert sorted(hook.stats.read()) == sorted(n for n, _ in model.named_parameters())
+
+
 def ddp_all(rank: int, world: int, device) -> None:
     """Every DDP check in one group of processes (start-up is the expensive part)."""
     ddp_averaged(rank, world, device)
+    ddp_agc(rank, world, device)
     ddp_local(rank, world, device)
     ddp_refusals(rank, world, device)
 

@@ -80,3 +80,22 @@ def record_processing(hook) -> list:
 
     hook.process = recorded
     return processed
+
+
+def timm_agc_(parameters, clip_factor=0.01, eps=1e-3):
+    """timm.utils.agc.adaptive_clip_grad, as timm writes it (timm itself is not installed: it pulls torchvision)."""
+    def unitwise_norm(x):
+        if x.ndim <= 1:
+            return x.norm(2.0)
+        return x.norm(2.0, dim=tuple(range(1, x.ndim)), keepdim=True)
+
+    for p in parameters:
+        if p.grad is None:
+            continue
+        p_data = p.detach()
+        g_data = p.grad.detach()
+        max_norm = unitwise_norm(p_data).clamp_(min=eps).mul_(clip_factor)
+        grad_norm = unitwise_norm(g_data)
+        clipped_grad = g_data * (max_norm / grad_norm.clamp(min=1e-6))
+        new_grads = torch.where(grad_norm < max_norm, g_data, clipped_grad)
+        p.grad.detach().copy_(new_grads)

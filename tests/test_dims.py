@@ -15,7 +15,7 @@ from test_codegen import count_launches
 import fusedhooks as fh
 from fusedhooks.trace import CompileError
 
-from helpers import REDUCTION_RTOL, assert_close_to, assert_same_values
+from helpers import REDUCTION_RTOL, assert_close_to, assert_same_values, timm_agc_
 
 BACKENDS = ["eager", "reference", "triton", "auto"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -262,25 +262,6 @@ def test_whole_tensor_var_with_a_positional_unbiased_is_still_var():
 
 # --- AGC ------------------------------------------------------------------------------------------------------------
 
-def _timm_agc_(parameters, clip_factor=0.01, eps=1e-3):
-    """timm.utils.agc.adaptive_clip_grad, as timm writes it (timm itself is not installed: it pulls torchvision)."""
-    def unitwise_norm(x):
-        if x.ndim <= 1:
-            return x.norm(2.0)
-        return x.norm(2.0, dim=tuple(range(1, x.ndim)), keepdim=True)
-
-    for p in parameters:
-        if p.grad is None:
-            continue
-        p_data = p.detach()
-        g_data = p.grad.detach()
-        max_norm = unitwise_norm(p_data).clamp_(min=eps).mul_(clip_factor)
-        grad_norm = unitwise_norm(g_data)
-        clipped_grad = g_data * (max_norm / grad_norm.clamp(min=1e-6))
-        new_grads = torch.where(grad_norm < max_norm, g_data, clipped_grad)
-        p.grad.detach().copy_(new_grads)
-
-
 def _conv_net():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
@@ -306,7 +287,7 @@ def test_agc_equals_timm_over_20_steps(backend, bucket_mb):
             o.zero_grad()
             torch.nn.functional.mse_loss(m(x), y).backward()
         before = [p.grad.clone() for p in reference.parameters()]
-        _timm_agc_(reference.parameters())
+        timm_agc_(reference.parameters())
         clipped += sum(not torch.equal(b, p.grad) for b, p in zip(before, reference.parameters()))
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)

@@ -42,7 +42,8 @@ def spawn(fn, world: int, backend: str = "gloo", timeout: float = TIMEOUT) -> No
 
 def test_ddp_two_ranks():
     """register(ddp_model): the averaged gradient, both bucket-view settings, no_sync, several buckets,
-    clip_grad_norm_; a hook on the wrapped module: local gradients and one warning; refusals."""
+    clip_grad_norm_, AGC (a body planned per shape); a hook on the wrapped module: local gradients and one warning;
+    refusals."""
     spawn(dist_workers.ddp_all, 2)
 
 

@@ -158,7 +158,7 @@ def test_reductions_over_dims_cuda(shape, dtype):
 def test_agc_cuda_matches_timm_formula():
     import copy
 
-    from test_dims import _timm_agc_
+    from helpers import timm_agc_
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(),
@@ -168,6 +168,6 @@ def test_agc_cuda_matches_timm_formula():
     x = torch.randn(8, 3, 32, 32, device="cuda")
     for m in (model, reference):
         (m(x).square().mean() * 100).backward()
-    _timm_agc_(reference.parameters())
+    timm_agc_(reference.parameters())
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
