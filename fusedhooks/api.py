@@ -542,13 +542,31 @@ class GradHook:
 
     def _check_sharded(self, name: str, t: torch.Tensor) -> None:
         """What a hook cannot do on an FSDP2-sharded (DTensor) parameter, refused with what to do instead."""
-        distributed.shard_group(name, t)  # refuses placements other than one Shard(d) (+ Replicate)
-        if self._graph(t.dtype, t.shape).reductions():
-            raise CompileError(f"{self.__name__}: {name} is sharded (FSDP2, DTensor): each rank holds a part of its "
-                               "gradient, and the body reduces over the whole tensor (norm, sum, amax, ...), which "
-                               "would be computed per shard. Sharded parameters take elementwise bodies; their "
-                               "statistics (stats=) are those of the whole parameter, merged across ranks, and a "
-                               "global clip is fh.clip_grad_norm_(hook, max_norm)")
+        group = distributed.shard_group(name, t)  # refuses placements other than one Shard(d) (+ Replicate)
+        graph = self._graph(t.dtype, t.shape)
+        if group is not None and graph.reductions():
+            dim = distributed.shard_dim(t)
+            per_shard = (f"{name} is sharded (FSDP2, DTensor) along dim {dim}: each rank holds a part of its "
+                         "gradient, and the body")
+            advice = ("Sharded parameters take elementwise bodies, and reductions over dimensions other than the "
+                      "sharded one (each unit within a shard: `g.norm(dim=1, keepdim=True)`); their statistics "
+                      "(stats=) are those of the whole parameter, merged across ranks, and a global clip is "
+                      "fh.clip_grad_norm_(hook, max_norm)")
+            whole = [n for n in graph.reductions() if not dims.is_dim_reduction(n)]
+            if whole:
+                raise CompileError(f"{self.__name__}: {per_shard} reduces over the whole tensor (`{whole[0].op}`), "
+                                   f"which would be computed per shard. {advice}")
+            try:
+                units = dims.analyse(graph)
+            except dims.Unsupported as e:
+                raise CompileError(f"{self.__name__}: {per_shard} has {e}. {advice}") from None
+            for r in units.reductions:
+                if dim in dims.reduced_dims(r.node, tuple(t.shape)):
+                    raise CompileError(f"{self.__name__}: {per_shard} reduces over dim {dim} (`{r.node.op}`), whose "
+                                       f"units would be cut by the shards. {advice}")
+            if not all(units.is_own(units.of(node), m) for node, m in units.uses):
+                raise CompileError(f"{self.__name__}: {per_shard} broadcasts a value reduced over dimensions onto "
+                                   f"other units than its own, which may be on other ranks. {advice}")
         if self._amp:
             raise ValueError(f"{self.__name__}: scaler= is not supported on sharded (FSDP2) parameters ({name}): "
                              "unscale with torch's GradScaler (scaler.unscale_(optimizer)) instead")

@@ -250,6 +250,13 @@ def shard_group(name: str, t: torch.Tensor):
     return t.device_mesh.get_group(shard_dims[0])
 
 
+def shard_dim(t: torch.Tensor) -> int | None:
+    """The tensor dim along which a DTensor is sharded (its Shard placement; see shard_group), None if none."""
+    from torch.distributed.tensor import Shard
+
+    return next((p.dim % t.ndim for p in t.placements if isinstance(p, Shard)), None)
+
+
 def merge_partials(parts: torch.Tensor, partial_slots: tuple[str, ...], slots: tuple[str, ...]) -> torch.Tensor:
     """The statistics `slots` of whole parameters from their ranks' partials.
 
@@ -343,7 +350,7 @@ class ShardStats:
             entry.checked_shape = grad.shape
         group = shard_group(entry.name, param)
         local, local_param = grad._local_tensor, param._local_tensor
-        compiled = hook.compiled(local.dtype, local.device, shard=True)
+        compiled = hook.compiled(local.dtype, local.device, shard=True, shape=tuple(local.shape))
         hook.stats.begin_firing(backward_key)
         partial_row = None
         if compiled.plan.slots:

@@ -283,7 +283,49 @@ def _close_stats(got: dict, x: torch.Tensor, names, prefix: str = "") -> None:
             assert abs(g - e) <= bound, (prefix + name, g, e)
 
 
+def fsdp_dims(rank: int, world: int, device) -> None:
+    """A body reducing over dims other than the sharded one (the rows of each weight, dim 1) runs on each rank's
+    shard as on the whole gradient, with whole-parameter statistics; one reducing over the sharded dim (columns, or
+    a 1-d bias) is refused at register."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fusedhooks as fh
+
+    base = _fsdp_mlp(device)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    fully_shard(model[0])
+    fully_shard(model)
+    weights = [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
+    rows = fh.grad_hook(lambda g: g / (g.norm(dim=-1, keepdim=True) + 1), stats=("norm", "max"))
+    rows.register(weights)
+    columns = fh.grad_hook(lambda g: g - g.mean(dim=0))
+    _raises(fh.CompileError, "along dim 0: each rank holds a part of its gradient, and the body reduces over dim 0 "
+            "(`mean`), whose units would be cut by the shards", lambda: columns.register(weights[:1]))
+    bias = next((n, p) for n, p in model.named_parameters() if p.ndim == 1)
+    _raises(fh.CompileError, "reduces over dim 0 (`norm`)", lambda: rows.register([bias]))
+    for step in range(2):
+        x = _batch(rank, step, 0, 5, device)
+        _loss(model, x).backward()
+        _loss(ref, x).backward()
+        reading = rows.stats.read()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            expected = _averaged(q.grad, world)
+            if p.ndim == 2:
+                expected = expected / (expected.norm(dim=-1, keepdim=True) + 1)
+                whole = p.grad.full_tensor()
+                assert torch.allclose(whole, expected, rtol=1e-5, atol=1e-7), (step, name)
+                check_stats(reading[name], whole, ("norm", "max"))
+            assert torch.allclose(p.grad.to_local(), _shard(expected, rank, world), rtol=1e-5, atol=1e-7), name
+        model.zero_grad()
+        ref.zero_grad()
+
+
 def fsdp(rank: int, world: int, device) -> None:
+    fsdp_dims(rank, world, device)
+    fsdp_elementwise(rank, world, device)
+
+
+def fsdp_elementwise(rank: int, world: int, device) -> None:
     """FSDP2, hooks registered before and after fully_shard: local shards processed in place (elementwise
     bodies, one reading the parameter), whole-parameter statistics identical on every rank, a
     set_requires_gradient_sync(False) micro-batch, global clipping against torch's (and, for norm inf with an
