@@ -284,6 +284,33 @@ class Normalize(Workload):
         raise NotApplicable("no torch built-in normalises a tensor by its own norm in place")
 
 
+def rows_of(numel: int, row: int = 1024) -> tuple[int, ...]:
+    """A weight of rows of `row` elements holding `numel` (1-d below one row or when it does not divide)."""
+    return (numel // row, row) if numel >= row and numel % row == 0 else (numel,)
+
+
+class CenterColumns(Workload):
+    """grad - grad.mean(dim=0) on a weight of rows of 1024 elements: a reduction over dimensions whose units (the
+    columns) are strided: a reduction pass leaves the column means in a workspace, the elementwise pass gathers them."""
+
+    name, title = "center_columns", "centre the columns (mean over dim 0)"
+    eager_traffic = (3, 0)  # mean R, sub_ R+W
+    has_item_variant = False
+
+    def param_shape(self, numel):
+        return rows_of(numel)
+
+    def fusedhooks_hook(self, env):
+        return fh.grad_hook(lambda grad: grad - grad.mean(dim=0))
+
+    @staticmethod
+    def on_grad(g, state, sync):
+        g.sub_(g.mean(dim=0))
+
+    def builtin(self, env):
+        raise NotApplicable("no torch built-in centres a gradient")
+
+
 class Agc(Workload):
     """Unit-wise adaptive gradient clipping (timm's adaptive_clip_grad) of a weight with rows of ROW elements (1-d
     below ROW): each row's gradient norm against clip_factor times its parameter's norm. The parameter is zero, so
@@ -296,7 +323,7 @@ class Agc(Workload):
     CLIP_FACTOR, AGC_EPS = 0.01, 1e-3
 
     def param_shape(self, numel):
-        return (numel // self.ROW, self.ROW) if numel >= self.ROW and numel % self.ROW == 0 else (numel,)
+        return rows_of(numel, self.ROW)
 
     def fusedhooks_hook(self, env):
         return fh.agc(self.CLIP_FACTOR, self.AGC_EPS)
@@ -413,7 +440,7 @@ class AmpClip(Workload):
 
 
 #: In run order, the DESIGN's headline first (so that a run cut short by a time budget has it).
-WORKLOADS = {w.name: w for w in (ClipStats(), ClipScale(), Normalize(), AmpClip(), Agc())}
+WORKLOADS = {w.name: w for w in (ClipStats(), ClipScale(), Normalize(), AmpClip(), Agc(), CenterColumns())}
 #: The per-parameter work of the model workload: the DESIGN target (clip + all statistics on every parameter).
 MODEL_WORK = WORKLOADS["clip_stats"]
 

@@ -150,7 +150,8 @@ class GradHook:
         self._graphs: dict[torch.dtype, Graph] = {}
         self._compiled: dict[tuple, Compiled] = {}
         self._compiled_by_index: dict[tuple, Compiled] = {}  # (dtype, is_cuda, device index) -> the unsharded one
-        self._eager_firings: dict[torch.dtype, Callable] = {}  # dtype -> _eager_firing of CPU gradients (eager)
+        #: dtype (and shape, for a body planned per shape) -> _eager_firing of CPU gradients (eager backend)
+        self._eager_firings: dict[object, Callable] = {}
         self._workspaces: dict[tuple, runtime.Workspace] = {}
         self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
         self._op_key = next(_hook_keys)
@@ -193,7 +194,7 @@ class GradHook:
         if entry is None:
             entry = self.registry.get(param) or self._add(self._auto_name(), param)
         backward_key = torch._C._current_graph_task_id() if backward_key is None else backward_key
-        eager_firing = self._eager_firings.get(grad.dtype)
+        eager_firing = self._eager_firings.get((grad.dtype, grad.shape) if self.reduces_over_dims else grad.dtype)
         if (eager_firing is not None and type(grad) is torch.Tensor and grad.is_cpu and not grad.requires_grad
                 and grad.numel() and entry.checked_shape == grad.shape
                 and (self._distributed_checked or backward_key == self._distributed_seen)):
@@ -222,9 +223,11 @@ class GradHook:
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
                      self._workspace_for(grad), amp)
         entry.record(grad)
-        if (compiled.plan.backend == "eager" and grad.dtype not in self._eager_firings and not grad.requires_grad
-                and not self.reduces_over_dims):  # (a plan per shape, not per dtype)
-            self._eager_firings[grad.dtype] = self._eager_firing(compiled)
+        key = (grad.dtype, grad.shape) if self.reduces_over_dims else grad.dtype  # (a plan per shape)
+        if compiled.plan.backend == "eager" and key not in self._eager_firings and not grad.requires_grad:
+            if len(self._eager_firings) > 256:  # shapes keep changing: keep it small
+                self._eager_firings.clear()
+            self._eager_firings[key] = self._eager_firing(compiled)
 
     def _eager_firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
         """`process` on the eager backend, for a plain (not a DTensor, not requiring grad), non-empty CPU gradient

@@ -36,6 +36,35 @@ _IN_PLACE = {
 _HALF = (torch.float16, torch.bfloat16)
 
 
+#: Out-of-place ops written as the torch call ir.eager makes for them (without its dispatch, at every firing)
+_OPERATORS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+_REDUCTIONS_OVER = ("sum", "mean", "amax", "amin", "all", "any")
+
+
+def _direct_call(n: Node, ref) -> str | None:
+    """The torch call of op node `n` as source text (ref(value) names an argument), or None: ir.eager's dispatch."""
+    a = n.args
+    x = ref(a["input"]) if "input" in a else None
+    if n.op in _OPERATORS and a.get("alpha", 1) == 1 and a.get("rounding_mode") is None:
+        return f"{x} {_OPERATORS[n.op]} {ref(a['other'])}"
+    if n.op in _REDUCTIONS_OVER:
+        dims = "" if a.get("dim") is None else f", dim={a['dim']!r}, keepdim={a['keepdim']!r}"
+        return f"torch.{n.op}({x}{dims})"
+    if n.op in ("norm", "vector_norm"):
+        order = a["p"] if n.op == "norm" else a["ord"]
+        dims = "" if a.get("dim") is None else f", dim={a['dim']!r}, keepdim={a['keepdim']!r}"
+        fn = "torch.norm" if n.op == "norm" else "torch.linalg.vector_norm"
+        return f"{fn}({x}, {_number(order)}{dims})"
+    if n.op == "unsqueeze":
+        return f"torch.unsqueeze({x}, {a['dim']!r})"
+    return None
+
+
+def _number(v) -> str:
+    """A Python number or string option as source text (inf has no literal)."""
+    return f'float("{v}")' if isinstance(v, float) and not math.isfinite(v) else repr(v)
+
+
 def _can_overwrite(n: Node, first: Node | None, i: int, last_use: dict, owned: set) -> bool:
     """May op node `n` (the i-th live node) write its result into its first operand's tensor?"""
     if first is None or first.index not in owned or last_use[first.index] != i or first.dtype != n.dtype:
@@ -109,13 +138,18 @@ def compile_body(graph: Graph):
                     call = f"{x}.clamp_({ref(n.args['min'])}, {ref(n.args['max'])})"
                 else:
                     method, params = _IN_PLACE[n.op]
+                    if (n.op in ("add", "sub") and n.args["alpha"] == 1) or (n.op == "div"
+                                                                              and n.args["rounding_mode"] is None):
+                        params = ("other",)  # the default: the plain call
                     args = [f"{p.split('=')[0]}={ref(n.args[p.split('=')[1]])}" if "=" in p else ref(n.args[p])
                             for p in params]
                     call = f"{x}.{method}({', '.join(args)})"
                 owned.add(n.index)
             else:
-                args = ", ".join(f"{k!r}: {ref(v)}" for k, v in n.args.items())
-                call = f"eager({n.op!r}, {{{args}}})"
+                call = _direct_call(n, ref)
+                if call is None:
+                    args = ", ".join(f"{k!r}: {ref(v)}" for k, v in n.args.items())
+                    call = f"eager({n.op!r}, {{{args}}})"
                 if not (n.op == "to" and isinstance(first, Node) and first.dtype == n.dtype):
                     owned.add(n.index)  # a fresh tensor (x.to(its own dtype) is x itself)
             lines.append(f"v{n.index} = {call}")
