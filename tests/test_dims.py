@@ -18,7 +18,7 @@ from fusedhooks.trace import CompileError
 from helpers import REDUCTION_RTOL, assert_close_to, assert_same_values, timm_agc_
 
 BACKENDS = ["eager", "reference", "triton", "auto"]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 def assert_matches(got, expected, backend, dtype):
