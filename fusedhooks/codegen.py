@@ -62,6 +62,9 @@ class LaunchSpec:
     fixed_grids: tuple[tuple[str, int], ...] = ()
     units_values: int = 0
     one_pass: bool = False
+    #: fp64 accumulators and int32 counters per gradient of the reduction passes whose programs share blocks of units
+    unit_partial_values: int = 0
+    unit_counter_values: int = 0
 
     def kernels_for(self, grid: int) -> tuple[str, ...]:
         """The kernels to launch, in order, for one gradient on a grid of `grid` programs."""
@@ -484,6 +487,12 @@ class _KernelWriter:
         if self.units is not None and not self.units.one_pass:  # (one pass: the program holds the results)
             args.append(("units", f"units_ptr,  # *fp64 [{self.units.n_values}]: {per}results of the reductions over "
                                   "dimensions, per unit"))
+            partial_values, counters = self.split_sizes()
+            if counters:
+                args += [("unit_partials", f"unit_partials_ptr,  # *fp64 [{partial_values}]: {per}the accumulators "
+                                           "of the programs that share a block of units"),
+                         ("unit_counters", f"unit_counters_ptr,  # *int32 [{counters}]: {per}programs finished per "
+                                           "block of units; the last one merges and resets it to 0")]
         if p.slots:
             rows = "the statistics buffer (rows from the table)" if self.multi else "this parameter's statistics row"
             args.append(("stats", f"stats_ptr,  # *fp64 [{len(p.slots)}]: {rows}"))
@@ -547,6 +556,9 @@ class _KernelWriter:
                 lines.append(f"reduced_ptr += t * {len(self.reductions)}")
             if self.units is not None and not self.units.one_pass:
                 lines.append(f"units_ptr += t * {self.units.n_values}")
+                partial_values, counters = self.split_sizes()
+                if counters:
+                    lines += [f"unit_partials_ptr += t * {partial_values}", f"unit_counters_ptr += t * {counters}"]
             if self.hist_sets:
                 lines.append(f"hist_ptr += t * {len(self.hist_sets)} * HIST_PAD")
             if programs is not None:
@@ -755,13 +767,30 @@ class _KernelWriter:
 
     # --- reductions over dimensions (fusedhooks.dims) ------------------------------------------------------------
 
-    def unit_lanes(self, tile: dims.Tile, kept: tuple[int, ...]) -> list[str]:
-        """`unit` and `element` of each lane of a tile of this program, and `unit_offs`, the offset of its unit."""
+    def split_sizes(self) -> tuple[int, int]:
+        """(fp64 accumulators, counters) per gradient that the reduction passes whose programs share blocks of units
+        (dims.Units.reduce_splits) need: the most any of them needs (they run one after another); (0, 0) if none."""
+        values, counters = 0, 0
+        for launch in self.units.schedule(self.g):
+            if launch[0] != "units":
+                continue
+            group = launch[3]
+            splits, _ = self.units.reduce_splits(group[0])
+            if splits > 1:
+                tile = self.units.reduce_tile(group[0])
+                blocks = tile.programs(group[0].n_units)
+                values = max(values, blocks * splits * tile.units * sum(_parts_of(r.node) for r in group))
+                counters = max(counters, blocks)
+        return values, counters
+
+    def unit_lanes(self, tile: dims.Tile, kept: tuple[int, ...], block: str = "pid") -> list[str]:
+        """`unit` and `element` of each lane of the tile of block of units `block`, and `unit_offs`, the offset of
+        its unit."""
         t = tile
         if t.rows:
-            lines = [f"unit = pid * {t.units} + lane // {t.elements}", f"element = lane % {t.elements}"]
+            lines = [f"unit = {block} * {t.units} + lane // {t.elements}", f"element = lane % {t.elements}"]
         else:
-            lines = [f"unit = pid * {t.units} + lane % {t.units}", f"element = lane // {t.units}"]
+            lines = [f"unit = {block} * {t.units} + lane % {t.units}", f"element = lane // {t.units}"]
         return ["lane = tl.arange(0, " + str(t.size) + ")"] + lines + [f"unit_offs = {self.span('unit', kept)}"]
 
     def span(self, index: str, dims_: tuple[int, ...]) -> str:
@@ -778,8 +807,9 @@ class _KernelWriter:
         return " + ".join(terms) if terms else f"({index}) * 0"
 
     def unit_reduction(self, em: _Emitter, r: dims.UnitReduction, tile: tuple[str, str, str], count: str, n: str,
-                       x: str | None = None) -> tuple[list[str], list[str], str]:
-        """(accumulator lines, lines adding this chunk of each unit's elements, the fp64 [units] result) of
+                       x: str | None = None) -> tuple[list[str], list[str], str, list, list[str]]:
+        """(accumulator lines, lines adding this chunk of each unit's elements, the fp64 [units] result, the
+        accumulators as (name, type), lines merging another program's accumulators `{0}`, `{1}`, ... into them) of
         reduction `r` over the lanes in `mask`.
 
         tile: (units, elements, rows) of the kernel's tile (see dims.Tile), as source text; count: the elements of
@@ -805,9 +835,10 @@ class _KernelWriter:
             value = f"{x64} * {x64}" if spec.stat == "norm" else x64
             add = [f"{acc} += {per_unit('sum', f'tl.where(mask, {value}, 0.0)')}"]
             result = {"sum": acc, "mean": f"{acc} / {n}", "norm": f"tl.sqrt({acc})"}[spec.stat]
+            parts, merge = [(acc, "tl.float64")], [f"{acc} += {{0}}"]
         elif spec.stat in ("var", "std"):  # Chan's merge of each chunk's mean and squared deviations
             init = [f"{acc}_mean = tl.zeros([{units}], tl.float64)", f"{acc}_m2 = tl.zeros([{units}], tl.float64)",
-                    f"{acc}_n = tl.full([], 0.0, tl.float64)"]
+                    f"{acc}_n = tl.zeros([{units}], tl.float64)"]
             add = [f"c{k} = {count}",
                    f"mean{k} = {per_unit('sum', f'tl.where(mask, {x64}, 0.0)')} / c{k}",
                    f"dev{k} = tl.where(mask, {x64} - to_lanes(mean{k}, {shape}), 0.0)",
@@ -819,6 +850,10 @@ class _KernelWriter:
                    f"{acc}_n = n{k}"]
             var = f"{acc}_m2 / tl.maximum({n} - {spec.correction!r}, 0.0)"
             result = var if spec.stat == "var" else f"tl.sqrt({var})"
+            parts = [(f"{acc}_n", "tl.float64"), (f"{acc}_mean", "tl.float64"), (f"{acc}_m2", "tl.float64")]
+            merge = [f"delta{k} = {{1}} - {acc}_mean", f"n{k} = {acc}_n + {{0}}",
+                     f"{acc}_mean += delta{k} * ({{0}} / n{k})",
+                     f"{acc}_m2 += {{2}} + delta{k} * delta{k} * ({acc}_n * {{0}} / n{k})", f"{acc}_n = n{k}"]
         elif spec.stat in ("max", "min", "absmax"):  # NaN propagates, as torch's amax/amin
             largest = spec.stat != "min"
             fill = '-float("inf")' if largest else 'float("inf")'
@@ -830,11 +865,14 @@ class _KernelWriter:
             add = [f"{acc} = {merge}({acc}, {per_unit('max' if largest else 'min', numbers)})",
                    f"{acc}_nan += {per_unit('sum', f'(mask & ({x64} != {x64})).to(tl.int32)')}"]
             result = f'tl.where({acc}_nan > 0, float("nan"), {acc})'
+            parts = [(acc, "tl.float64"), (f"{acc}_nan", "tl.int32")]
+            merge = [f"{acc} = {merge}({acc}, {{0}})", f"{acc}_nan += {{1}}"]
         else:  # all / any: zeros counted
             init = [f"{acc} = tl.zeros([{units}], tl.int32)"]
             add = [f"{acc} += {per_unit('sum', f'(mask & ({x64} == 0)).to(tl.int32)')}"]
             result = f"({acc} == 0)" if spec.test == "all" else f"({acc} < {n})"
-        return init, add, result
+            parts, merge = [(acc, "tl.int32")], [f"{acc} += {{0}}"]
+        return init, add, result, parts, merge
 
     def units_reduce_kernel(self, level: int, k: int, group: list[dims.UnitReduction]) -> list[str]:
         """The reductions over dims group[0].reduced of `level`: each program reduces `tile.units` whole units,
@@ -846,28 +884,60 @@ class _KernelWriter:
         em.block = str(tile.size)
         em.emit_nodes(_cone(self.g, [r.node.args["input"] for r in group]))
         inits, adds, stores = [], [], []
-        out_units = f"pid * {tile.units} + tl.arange(0, {tile.units})"
-        for r in group:
-            init, add, result = self.unit_reduction(
-                em, r, _tile_text(tile), f"tl.minimum({r0.n_reduced} - start, {tile.elements}).to(tl.float64)",
-                f"{float(r0.n_reduced)!r}")
+        splits, span = self.units.reduce_splits(r0)
+        saves, merged_in = [], []  # (splits > 1) this program's accumulators; the last one's merge of them all
+        block = "pid" if splits == 1 else "ublock"
+        out_units = f"{block} * {tile.units} + tl.arange(0, {tile.units})"
+        accumulators = [self.unit_reduction(em, r, _tile_text(tile), f"tl.minimum({r0.n_reduced} - start, "
+                                            f"{tile.elements}).to(tl.float64)", f"{float(r0.n_reduced)!r}")
+                        for r in group]
+        n_parts = sum(len(parts) for *_, parts, _ in accumulators)
+        assert n_parts == sum(_parts_of(r.node) for r in group)  # what split_sizes allots
+        slot = 0
+        for r, (init, add, result, parts, merge) in zip(group, accumulators):
             inits += init
             adds += add
             value = _from_merged(r.node, result)  # rounded to the result's dtype once, as eager torch does
             stores.append(f"tl.store({_units_slots(r)} + out_units, ({value}).to({_units_type(r)}), "
                           f"mask=out_units < {r.n_units})  # {r.node.name}")
+            names = []
+            for name, ty in parts:
+                where = (f"unit_partials_ptr + ((ublock * {splits} + {{}}) * {n_parts} + {slot}) * {tile.units} "
+                         f"+ tl.arange(0, {tile.units})")
+                saves.append(f"tl.store({where.format('split')}, {name}.to(tl.float64))")
+                loaded = f"tl.load({where.format('s')})"
+                merged_in.append(f"p{slot} = {loaded}" + ("" if ty == "tl.float64" else f".to({ty})"))
+                names.append(f"p{slot}")
+                slot += 1
+            merged_in += [line.format(*names) for line in merge]
         loads = [f"r{self.reduction_slot[n.index]} = "
                  f"{_from_reduced(n, f'tl.load(reduced_ptr + {self.reduction_slot[n.index]})')}"
                  for n in self.reductions if self.g.depth(n) < level]
         loop = ([f"offs = unit_offs + {self.span('start + element', r0.reduced)}",
                  f"mask = (unit < {r0.n_units}) & (start + element < {r0.n_reduced})"]
                 + self.loads() + em.lines + adds)
-        body = (self.header(tile.programs(r0.n_units)) + self.unit_lanes(tile, r0.kept) + loads + inits
-                + [f"for start in range(0, {r0.n_reduced}, {tile.elements}):"] + ["    " + line for line in loop]
-                + [f"out_units = {out_units}"] + stores)
+        body = self.header(tile.programs(r0.n_units) * splits)
+        if splits == 1:
+            body += (self.unit_lanes(tile, r0.kept) + loads + inits
+                     + [f"for start in range(0, {r0.n_reduced}, {tile.elements}):"] + ["    " + line for line in loop]
+                     + [f"out_units = {out_units}"] + stores)
+            how = f"{tile.units} units of {r0.n_reduced} elements per program"
+        else:  # `splits` programs per block of units, `span` elements each; the last to finish merges and stores
+            body += ([f"ublock = pid // {splits}  # which block of units", f"split = pid % {splits}  # which part of "
+                      "their elements"] + self.unit_lanes(tile, r0.kept, block) + loads + inits
+                     + [f"for start in range(split * {span}, tl.minimum(split * {span} + {span}, {r0.n_reduced}), "
+                        f"{tile.elements}):"] + ["    " + line for line in loop] + saves
+                     + ["tl.debug_barrier()",
+                        "done = tl.atomic_add(unit_counters_ptr + ublock, 1)  # acq_rel: the partials above are "
+                        "visible to the last program", f"if done == {splits} - 1:", "    tl.debug_barrier()"]
+                     + ["    " + line for line in inits] + [f"    for s in range({splits}):"]
+                     + ["        " + line for line in merged_in]
+                     + ["    " + line for line in [f"out_units = {out_units}"] + stores]
+                     + ["    tl.store(unit_counters_ptr + ublock, 0)"])
+            how = (f"{tile.units} units per block, {splits} programs of {span} of their {r0.n_reduced} elements "
+                   "each, merged by the last")
         return self.kernel(f"reduce_units{level}_{k}{self.suffix}", self.signature(), body,
-                           f"reductions over dims {list(r0.reduced)} of level {level}: {tile.units} units of "
-                           f"{r0.n_reduced} elements per program, their results into units_ptr")
+                           f"reductions over dims {list(r0.reduced)} of level {level}: {how}; results into units_ptr")
 
     def whole_of_units_kernel(self, level: int, k: int, node: Node) -> list[str]:
         """Whole-tensor reduction `node` of a value reduced over dimensions: one program over the value's elements,
@@ -882,7 +952,7 @@ class _KernelWriter:
         em.names.update(available)
         em.block = str(size)
         name = em.at(x, dims.full_map(x.shape))  # the value's own dims index it: `offs` runs over its elements
-        init, add, result = self.unit_reduction(em, r, _tile_text(tile),
+        init, add, result, _, _ = self.unit_reduction(em, r, _tile_text(tile),
                                                 f"tl.minimum({r.n_reduced} - start, {size}).to(tl.float64)",
                                                 f"{float(r.n_reduced)!r}", x=name)
         loads = [f"r{self.reduction_slot[n.index]} = "
@@ -920,7 +990,7 @@ class _KernelWriter:
             group = [r for r in units.reductions if self.g.depth(r.node) == level]
             em.emit_nodes(_cone(self.g, [r.node.args["input"] for r in group]))
             for r in group:
-                init, add, result = self.unit_reduction(em, r, tile, n, n)
+                init, add, result, _, _ = self.unit_reduction(em, r, tile, n, n)
                 em.lines += init + add
                 name = held[r.node.index] = f"b{r.node.index}"
                 em.lines.append(f"{name} = to_lanes({_from_merged(r.node, result)}, UNITS, ELEMENTS, True)")
@@ -952,6 +1022,11 @@ def _units_slots(r: dims.UnitReduction) -> str:
     slots = f"(units_ptr + {r.offset})"
     ty = _units_type(r)
     return slots if ty == "tl.float64" else f"{slots}.to(tl.pointer_type({ty}))"
+
+
+def _parts_of(node: Node) -> int:
+    """Accumulators per unit of a reduction over dimensions (see _KernelWriter.unit_reduction)."""
+    return {"var": 3, "std": 3, "max": 2, "min": 2, "absmax": 2}.get(reduction_spec(node).stat, 1)
 
 
 def _tile_text(tile: dims.Tile) -> tuple[str, str, str]:
@@ -1107,7 +1182,8 @@ def _generate_units(plan: Plan, device_type: str, header: list[str]) -> tuple[st
                 elif launch[0] == "units":
                     _, level, k, group = launch
                     kernels += w.units_reduce_kernel(level, k, group)
-                    name, programs = f"reduce_units{level}_{k}", units.reduce_tile(group[0]).programs(group[0].n_units)
+                    programs = units.reduce_tile(group[0]).programs(group[0].n_units) * units.reduce_splits(group[0])[0]
+                    name = f"reduce_units{level}_{k}"
                 elif launch[0] == "whole_of_units":
                     _, level, k, node = launch
                     kernels += w.whole_of_units_kernel(level, k, node)
@@ -1130,7 +1206,9 @@ def _generate_units(plan: Plan, device_type: str, header: list[str]) -> tuple[st
         multi_kernels=tuple(f"{name}_multi" for name in names), n_slots=len(plan.slots), n_reductions=n_reductions,
         partial_sets=max(len(plan.stat_sets), n_reductions),
         hist_sets=sum("hist" in names_ for _, names_ in plan.stat_sets), hist_pad=_hist_pad(plan.hist_bins),
-        fixed_grids=tuple(fixed), units_values=0 if units.one_pass else units.n_values, one_pass=units.one_pass)
+        fixed_grids=tuple(fixed), units_values=0 if units.one_pass else units.n_values, one_pass=units.one_pass,
+        unit_partial_values=w.split_sizes()[0] if not units.one_pass else 0,
+        unit_counter_values=w.split_sizes()[1] if not units.one_pass else 0)
     return "\n".join(header + kernels + footer) + "\n", spec
 
 

@@ -143,6 +143,18 @@ class Units:
         units = min(_pow2(r.n_units), max(low, min(high, _pow2(r.n_units) // TARGET_PROGRAMS)))
         return Tile(units, min(size // units, _pow2(r.n_reduced)), False)
 
+    def reduce_splits(self, r: UnitReduction) -> tuple[int, int]:
+        """(splits, span) of a reduction pass: with few unit blocks (under TARGET_PROGRAMS programs) and several
+        chunks of elements, `splits` programs share each block's elements, `span` each (whole chunks), and the last
+        of them merges their partial results; else (1, n_reduced): one program reduces its units alone."""
+        tile = self.reduce_tile(r)
+        chunks = -(-r.n_reduced // tile.elements)
+        programs = tile.programs(r.n_units)
+        if chunks == 1 or programs >= TARGET_PROGRAMS:
+            return 1, r.n_reduced
+        per_split = -(-chunks // min(chunks, -(-TARGET_PROGRAMS // programs)))
+        return -(-chunks // per_split), per_split * tile.elements
+
     def groups(self, graph: Graph, level: int) -> list[list[UnitReduction]]:
         """The reductions of `level` (Graph.depth), one list per reduced dims: one kernel each."""
         groups: dict[tuple, list[UnitReduction]] = {}

@@ -158,8 +158,10 @@ class Plan:
             elif self.units is not None:
                 for r in self.units.reductions:
                     tile = self.units.reduce_tile(r)
-                    lines.append(f"  reduction pass of {r.node.name}: {tile.programs(r.n_units):,} programs x "
-                                 f"{tile.units} units, {tile.elements} elements of each at a time")
+                    splits, span = self.units.reduce_splits(r)
+                    shared = f", {splits} programs per block sharing its elements ({span} each)" if splits > 1 else ""
+                    lines.append(f"  reduction pass of {r.node.name}: {tile.programs(r.n_units) * splits:,} programs x "
+                                 f"{tile.units} units, {tile.elements} elements of each at a time{shared}")
                 lines.append(f"  elementwise pass: grid={self.grid} programs x BLOCK={self.block}{merged}")
             else:
                 lines.append(f"  launch: grid={self.grid} programs x BLOCK={self.block}{merged}")

@@ -117,6 +117,8 @@ class Workspace:
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.reduced = torch.empty(0, dtype=torch.float64, device=device)
         self.units = torch.empty(0, dtype=torch.float64, device=device)
+        self.unit_partials = torch.empty(0, dtype=torch.float64, device=device)
+        self.unit_counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.hist = torch.zeros(0, dtype=torch.int32, device=device)
         self.counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.tables: dict[tuple, BucketTable] = {}
@@ -150,6 +152,16 @@ class Workspace:
         if self.units.numel() < n:
             self.units = torch.empty(max(n, 1), dtype=torch.float64, device=self.device)
         return self.units
+
+    def unit_partials_for(self, n: int) -> torch.Tensor:
+        if self.unit_partials.numel() < n:
+            self.unit_partials = torch.empty(n, dtype=torch.float64, device=self.device)
+        return self.unit_partials
+
+    def unit_counters_for(self, n: int) -> torch.Tensor:
+        if self.unit_counters.numel() < n:
+            self.unit_counters = torch.zeros(n, dtype=torch.int32, device=self.device)  # the kernels leave them 0
+        return self.unit_counters
 
     def hist_for(self, n: int) -> torch.Tensor:
         if self.hist.numel() < n:
@@ -210,6 +222,8 @@ def bind(module, multi: bool, grid: int, workspace: Workspace, scalars: list[tor
     n = values.get("n_tensors", 1)
     buffers = {"reduced": lambda: workspace.reduced_for(n * spec.n_reductions),
                "units": lambda: workspace.units_for(n * spec.units_values),
+               "unit_partials": lambda: workspace.unit_partials_for(n * spec.unit_partial_values),
+               "unit_counters": lambda: workspace.unit_counters_for(n * spec.unit_counter_values),
                "partials": lambda: workspace.partials_for(values["partial_values"]),
                "counter": lambda: workspace.counters_for(n) if multi else workspace.counter,
                "hist": lambda: workspace.hist_for(n * spec.hist_values)}

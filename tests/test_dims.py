@@ -44,9 +44,10 @@ BODIES = {
     "middle_dims": (lambda g: g - g.amax(dim=(0, 2), keepdim=True) + g.sum(dim=(1, 3), keepdim=True),
                     [(3, 4, 5, 6), (2, 1, 7, 3)]),
     "row_vector_broadcast": (lambda g: g * g.mean(dim=1), [(5, 5), (1, 1)]),  # (n,) broadcasts along rows
-    "amax_amin": (lambda g: g / (g.amax(dim=1, keepdim=True) - g.amin(dim=1, keepdim=True) + 1), [(5, 13), (1, 9)]),
+    "amax_amin": (lambda g: g / (g.amax(dim=1, keepdim=True) - g.amin(dim=1, keepdim=True) + 1),
+                  [(5, 13), (1, 9), (2, 6000)]),
     "all_any": (lambda g: torch.where(torch.isfinite(g).all(dim=1, keepdim=True), g, 0.0)
-                + (g > 1).any(dim=-1, keepdim=True).float(), [(5, 13), (3, 4, 5, 6)]),
+                + (g > 1).any(dim=-1, keepdim=True).float(), [(5, 13), (3, 4, 5, 6), (2, 5000)]),
     "unsqueeze": (lambda g: g / (g.norm(dim=1).unsqueeze(1) + 1e-3), [(5, 13), (4, 5, 6)]),
     "mixed_with_whole": (lambda g: g / (g.norm(dim=0) + g.norm() + 1e-3), [(7,), (5, 13)]),
     "nested": (lambda g: g / (g.abs().sum(dim=1, keepdim=True).amax() + 1), [(5, 13), (3, 4, 5, 6), (2, 5000)]),
@@ -138,11 +139,14 @@ NAN_INF_BODIES = {
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("name", NAN_INF_BODIES)
+@pytest.mark.parametrize("shape", [(6, 7), (4500, 6)], ids=["small", "columns-split"])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_nan_and_inf_propagate_per_unit(name, dtype, backend):
+def test_nan_and_inf_propagate_per_unit(name, shape, dtype, backend):
+    """(4500, 6): several programs share each column block's rows (and rows of 6 elements: one pass)."""
     fn = NAN_INF_BODIES[name]
-    grad = _gradient((6, 7), torch.float32)
-    grad[1, 2], grad[3, 0], grad[3, 4], grad[4, 6] = math.nan, math.inf, -math.inf, math.inf
+    grad = _gradient(shape, torch.float32)
+    grad[1, 2], grad[3, 0], grad[3, 4], grad[4, 5] = math.nan, math.inf, -math.inf, math.inf
+    grad[-3, 1] = math.nan
     grad = grad.to(dtype)
     expected = fn(grad.clone()).to(dtype)
     assert_matches(_fire(_hook(fn, backend), grad), expected, backend, dtype)
