@@ -113,14 +113,7 @@ class Workspace:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.partials = torch.empty(0, dtype=torch.float64, device=device)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
-        self.reduced = torch.empty(0, dtype=torch.float64, device=device)
-        self.units = torch.empty(0, dtype=torch.float64, device=device)
-        self.unit_partials = torch.empty(0, dtype=torch.float64, device=device)
-        self.unit_counters = torch.zeros(0, dtype=torch.int32, device=device)
-        self.hist = torch.zeros(0, dtype=torch.int32, device=device)
-        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self._buffers: dict[str, torch.Tensor] = {}
         self.tables: dict[tuple, BucketTable] = {}
         self.bound: dict[tuple, Bound] = {}
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
@@ -133,40 +126,22 @@ class Workspace:
             buffer = self._scratch[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
         return buffer[:numel]
 
-    def counters_for(self, n: int) -> torch.Tensor:
-        if self.counters.numel() < n:
-            self.counters = torch.zeros(n, dtype=torch.int32, device=self.device)  # the kernels leave them 0
-        return self.counters
+    def buffer(self, role: str, n: int) -> torch.Tensor:
+        """The buffer of launch-spec role `role` (see WORKSPACE_BUFFERS), grown to at least `n` elements."""
+        buffer = self._buffers.get(role)
+        if buffer is None or buffer.numel() < n:
+            dtype, zeroed = WORKSPACE_BUFFERS[role]
+            make = torch.zeros if zeroed else torch.empty
+            buffer = self._buffers[role] = make(max(n, 1), dtype=dtype, device=self.device)
+        return buffer
 
-    def partials_for(self, values: int) -> torch.Tensor:
-        if self.partials.numel() < values:
-            self.partials = torch.empty(values, dtype=torch.float64, device=self.device)
-        return self.partials
 
-    def reduced_for(self, n: int) -> torch.Tensor:
-        if self.reduced.numel() < n:
-            self.reduced = torch.empty(n, dtype=torch.float64, device=self.device)
-        return self.reduced
-
-    def units_for(self, n: int) -> torch.Tensor:
-        if self.units.numel() < n:
-            self.units = torch.empty(max(n, 1), dtype=torch.float64, device=self.device)
-        return self.units
-
-    def unit_partials_for(self, n: int) -> torch.Tensor:
-        if self.unit_partials.numel() < n:
-            self.unit_partials = torch.empty(n, dtype=torch.float64, device=self.device)
-        return self.unit_partials
-
-    def unit_counters_for(self, n: int) -> torch.Tensor:
-        if self.unit_counters.numel() < n:
-            self.unit_counters = torch.zeros(n, dtype=torch.int32, device=self.device)  # the kernels leave them 0
-        return self.unit_counters
-
-    def hist_for(self, n: int) -> torch.Tensor:
-        if self.hist.numel() < n:
-            self.hist = torch.zeros(n, dtype=torch.int32, device=self.device)  # the kernels leave it zeroed
-        return self.hist
+#: The workspace's buffers, by launch-spec role: (dtype, zeroed: the kernels leave every element 0 again)
+WORKSPACE_BUFFERS = {
+    "partials": (torch.float64, False), "reduced": (torch.float64, False), "units": (torch.float64, False),
+    "unit_partials": (torch.float64, False), "counter": (torch.int32, True), "unit_counters": (torch.int32, True),
+    "hist": (torch.int32, True),
+}
 
 
 #: The Triton interpreter keeps the running program's ids in global state: interpreted launches from several
@@ -220,21 +195,17 @@ def bind(module, multi: bool, grid: int, workspace: Workspace, scalars: list[tor
     spec = module.SPEC
     roles = spec.multi_args if multi else spec.args
     n = values.get("n_tensors", 1)
-    buffers = {"reduced": lambda: workspace.reduced_for(n * spec.n_reductions),
-               "units": lambda: workspace.units_for(n * spec.units_values),
-               "unit_partials": lambda: workspace.unit_partials_for(n * spec.unit_partial_values),
-               "unit_counters": lambda: workspace.unit_counters_for(n * spec.unit_counter_values),
-               "partials": lambda: workspace.partials_for(values["partial_values"]),
-               "counter": lambda: workspace.counters_for(n) if multi else workspace.counter,
-               "hist": lambda: workspace.hist_for(n * spec.hist_values)}
+    sizes = {"reduced": n * spec.n_reductions, "units": n * spec.units_values,
+             "unit_partials": n * spec.unit_partial_values, "unit_counters": n * spec.unit_counter_values,
+             "partials": values.get("partial_values", 0), "counter": n, "hist": n * spec.hist_values}
     args, slots = [], []
     for role in roles:
         if role in meta:
             continue  # ALIGNED, BLOCK, RBLOCK
         if role.startswith("scalar"):
             args.append(scalars[int(role.removeprefix("scalar"))])
-        elif role in buffers:
-            args.append(buffers[role]())
+        elif role in sizes:
+            args.append(workspace.buffer(role, sizes[role]))
         elif role in _PER_FIRING:
             slots.append((role, len(args)))
             args.append(None)
