@@ -944,7 +944,7 @@ class _KernelWriter:
         read from the units workspace; its result goes to reduced_ptr."""
         r = self.units.whole_of(node)
         x = node.args["input"]
-        size = min(dims.REDUCE_TILE, dims._pow2(r.n_reduced))
+        size = min(dims.REDUCE_TILE, dims.next_pow2(r.n_reduced))
         tile = dims.Tile(1, size, True)
         available = {n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions if self.g.depth(n) < level}
         em = _UnitsEmitter(self.plan, self.device_type, dims.Units(x.shape, self.units.dtype, self.units.reductions,

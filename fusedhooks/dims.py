@@ -45,7 +45,8 @@ def is_units_value(n: Node) -> bool:
     return n.kind != "const" and not n.full and n.shape != ()
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -53,8 +54,8 @@ def units_launch(block: int, units: list[tuple[int, int]]) -> dict:
     """UNITS and ELEMENTS of a one-pass launch over whole units (codegen.LaunchSpec.one_pass) on gradients of
     `units` ((units, elements of each) per gradient): ELEMENTS lanes hold the longest unit, UNITS units fill BLOCK
     lanes (at least one, no more than a gradient has)."""
-    elements = _pow2(max(n for _, n in units))
-    return {"UNITS": max(1, min(block // elements, _pow2(max(u for u, _ in units)))), "ELEMENTS": elements}
+    elements = next_pow2(max(n for _, n in units))
+    return {"UNITS": max(1, min(block // elements, next_pow2(max(u for u, _ in units)))), "ELEMENTS": elements}
 
 
 @dataclass(frozen=True)
@@ -137,11 +138,11 @@ class Units:
     def reduce_tile(self, r: UnitReduction) -> Tile:
         size = REDUCE_TILE if self.dtype.itemsize <= 4 else REDUCE_TILE // 2
         if r.rows:
-            elements = min(_pow2(r.n_reduced), size)
-            return Tile(min(size // elements, _pow2(r.n_units)), elements, True)
+            elements = min(next_pow2(r.n_reduced), size)
+            return Tile(min(size // elements, next_pow2(r.n_units)), elements, True)
         low, high = COLUMN_UNITS
-        units = min(_pow2(r.n_units), max(low, min(high, _pow2(r.n_units) // TARGET_PROGRAMS)))
-        return Tile(units, min(size // units, _pow2(r.n_reduced)), False)
+        units = min(next_pow2(r.n_units), max(low, min(high, next_pow2(r.n_units) // TARGET_PROGRAMS)))
+        return Tile(units, min(size // units, next_pow2(r.n_reduced)), False)
 
     def reduce_splits(self, r: UnitReduction) -> tuple[int, int]:
         """(splits, span) of a reduction pass: with few unit blocks (under TARGET_PROGRAMS programs) and several
