@@ -74,26 +74,28 @@ def process_together(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torc
     pass for those that can share it, the others (empty, not dense, a shape not yet checked) one by one."""
     if not items:
         return
+    device, dtype = items[0][1].device, items[0][1].dtype
     if not hook.reduces_over_dims:
-        _process_bucket(hook, items, backward_key, None)
+        _process_bucket(hook, items, backward_key, hook.compiled(dtype, device))
         return
     # a plan per gradient shape; gradients whose kernels are the same (one-pass kernels over units take the sizes as
     # arguments) share a bucket
-    device, dtype = items[0][1].device, items[0][1].dtype
-    groups: dict[object, list] = {}
+    groups: dict[object, tuple] = {}
     for item in items:
         compiled = hook.compiled(dtype, device, shape=item[1].shape)
-        groups.setdefault(compiled.kernel if compiled.plan.backend == "triton" else item[1].shape, []).append(item)
-    for group in groups.values():
-        _process_bucket(hook, group, backward_key, group[0][1].shape)
+        key = compiled.kernel if compiled.plan.backend == "triton" else item[1].shape
+        group = groups.get(key) or groups.setdefault(key, (compiled, [], []))
+        group[1].append(item)
+        group[2].append(compiled.plan)
+    for compiled, group, plans in groups.values():
+        _process_bucket(hook, group, backward_key, compiled, plans)
 
 
 def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch.Tensor]], backward_key: int,
-                    shape: tuple | None) -> None:
-    """`process_together` for gradients of one set of kernels (shape: one of theirs, for a body that reduces over
-    dimensions: their kernels index each gradient as contiguous)."""
+                    compiled, plans: list | None = None) -> None:
+    """`process_together` for gradients of one set of kernels, `compiled`. plans: each gradient's, for a body that
+    reduces over dimensions (a plan per shape; their kernels index each gradient as contiguous)."""
     device, dtype = items[0][1].device, items[0][1].dtype
-    compiled = hook.compiled(dtype, device, shape=shape)
     plan = compiled.plan
     hook.stats.begin_firing(backward_key)
     if plan.backend != "triton":
@@ -103,25 +105,26 @@ def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch
     uses_param = plan.graph.uses_param
     is_cuda, index = device.type == "cuda", items[0][1].get_device()  # compared without building torch.devices
     entries, grads, params = [], [], []
-    for entry, grad, p in items:
+    units = [] if compiled.kernel.SPEC.one_pass else None  # (units, elements of each) of each gradient
+    for k, (entry, grad, p) in enumerate(items):
         if (grad.dtype == dtype and grad.get_device() == index and grad.is_cuda == is_cuda and not grad.requires_grad
                 and grad.numel() > 0 and entry.checked_shape == grad.shape
-                and (grad.is_contiguous() or (shape is None and flat_span(grad) is not None))
+                and (grad.is_contiguous() or (plans is None and flat_span(grad) is not None))
                 and (not uses_param or (p.stride() == grad.stride() and _dense(p)))):
             entries.append(entry)
             grads.append(grad)
             params.append(p)
+            if units is not None:
+                units.append(plans[k].units.unit_sizes)
         else:
             hook.process(entry, grad, p, backward_key)
     if entries:
         rows = [entry.row for entry in entries]
         hook.stats.mark_written(rows)
         amp = hook.amp_tensors(device) if plan.amp else None
-        units = None
-        if compiled.kernel.SPEC.one_pass:
-            units = tuple(hook.compiled(dtype, device, shape=g.shape).plan.units.unit_sizes for g in grads)
         runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, hook.scalars,
-                            hook.stats.tensor if plan.slots else None, hook.workspace(device), amp, units)
+                            hook.stats.tensor if plan.slots else None, hook.workspace(device), amp,
+                            None if units is None else tuple(units))
         record_all(entries, grads)
 
 
