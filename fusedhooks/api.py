@@ -545,12 +545,13 @@ class GradHook:
 
     def _check_sharded(self, name: str, t: torch.Tensor) -> None:
         """What a hook cannot do on an FSDP2-sharded (DTensor) parameter, refused with what to do instead."""
-        group = distributed.shard_group(name, t)  # refuses placements other than one Shard(d) (+ Replicate)
+        distributed.shard_group(name, t)  # refuses placements other than one Shard(d) (+ Replicate)
         graph = self._graph(t.dtype, t.shape)
-        if group is not None and graph.reductions():
+        if graph.reductions():
             dim = distributed.shard_dim(t)
-            per_shard = (f"{name} is sharded (FSDP2, DTensor) along dim {dim}: each rank holds a part of its "
-                         "gradient, and the body")
+            along = "" if dim is None else f" along dim {dim}"
+            per_shard = (f"{name} is sharded (FSDP2, DTensor){along}: each rank holds a part of its gradient, and the "
+                         "body")
             advice = ("Sharded parameters take elementwise bodies, and reductions over dimensions other than the "
                       "sharded one (each unit within a shard: `g.norm(dim=1, keepdim=True)`); their statistics "
                       "(stats=) are those of the whole parameter, merged across ranks, and a global clip is "
