@@ -724,11 +724,18 @@ class _KernelWriter:
                            self.prologue() + self.final_body(em, single=False),
                            "the body, its store and the statistics, in one pass")
 
+    def reduced_before(self, level: int) -> tuple[dict[int, str], list[str]]:
+        """The whole-tensor reductions of the levels below `level`: their names (for an emitter's `available`) and
+        the lines loading them from reduced_ptr."""
+        done = [n for n in self.reductions if self.g.depth(n) < level]
+        names = {n.index: f"r{self.reduction_slot[n.index]}" for n in done}
+        loads = [f"{names[n.index]} = {_from_reduced(n, f'tl.load(reduced_ptr + {self.reduction_slot[n.index]})')}"
+                 for n in done]
+        return names, loads
+
     def reduce_kernel(self, level: int) -> list[str]:
-        available = {n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions if self.g.depth(n) < level}
+        available, loads = self.reduced_before(level)
         em = self.emitter(available)
-        loads = [f"r{self.reduction_slot[i]} = {_from_reduced(n, f'tl.load(reduced_ptr + {self.reduction_slot[i]})')}"
-                 for i, n in ((n.index, n) for n in self.reductions if self.g.depth(n) < level)]
         targets = [n.args["input"] for n in self.reductions if self.g.depth(n) == level]
         em.emit_nodes(_cone(self.g, [x for x in targets if self.units is None or not dims.is_units_value(x)]))
         sets = self.reduction_sets(em, level, lambda n: f"tl.store(reduced_ptr + {self.reduction_slot[n.index]}, "
@@ -739,8 +746,8 @@ class _KernelWriter:
                        f"reduction pass {level}: leaves its results in reduced_ptr")
 
     def final_kernel(self) -> list[str]:
-        em = self.emitter({n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions})
-        loads = [f"r{k} = {_from_reduced(n, f'tl.load(reduced_ptr + {k})')}" for k, n in enumerate(self.reductions)]
+        available, loads = self.reduced_before(self.plan.levels + 1)
+        em = self.emitter(available)
         return self.kernel(KERNEL_NAME + self.suffix, self.signature(),
                        self.prologue() + loads + self.final_body(em, single=False),
                        "the elementwise pass, reading the reductions' results")
@@ -879,7 +886,7 @@ class _KernelWriter:
         `tile.elements` of their elements at a time, and stores their results in units_ptr."""
         tile = self.units.reduce_tile(group[0])
         r0 = group[0]
-        available = {n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions if self.g.depth(n) < level}
+        available, loads = self.reduced_before(level)
         em = self.emitter(available)
         em.block = str(tile.size)
         em.emit_nodes(_cone(self.g, [r.node.args["input"] for r in group]))
@@ -910,9 +917,6 @@ class _KernelWriter:
                 names.append(f"p{slot}")
                 slot += 1
             merged_in += [line.format(*names) for line in merge]
-        loads = [f"r{self.reduction_slot[n.index]} = "
-                 f"{_from_reduced(n, f'tl.load(reduced_ptr + {self.reduction_slot[n.index]})')}"
-                 for n in self.reductions if self.g.depth(n) < level]
         loop = ([f"offs = unit_offs + {self.span('start + element', r0.reduced)}",
                  f"mask = (unit < {r0.n_units}) & (start + element < {r0.n_reduced})"]
                 + self.loads() + em.lines + adds)
@@ -946,7 +950,7 @@ class _KernelWriter:
         x = node.args["input"]
         size = min(dims.REDUCE_TILE, dims.next_pow2(r.n_reduced))
         tile = dims.Tile(1, size, True)
-        available = {n.index: f"r{self.reduction_slot[n.index]}" for n in self.reductions if self.g.depth(n) < level}
+        available, loads = self.reduced_before(level)
         em = _UnitsEmitter(self.plan, self.device_type, dims.Units(x.shape, self.units.dtype, self.units.reductions,
                                                                     [], False), self.gather)
         em.names.update(available)
@@ -955,9 +959,6 @@ class _KernelWriter:
         init, add, result, _, _ = self.unit_reduction(em, r, _tile_text(tile),
                                                 f"tl.minimum({r.n_reduced} - start, {size}).to(tl.float64)",
                                                 f"{float(r.n_reduced)!r}", x=name)
-        loads = [f"r{self.reduction_slot[n.index]} = "
-                 f"{_from_reduced(n, f'tl.load(reduced_ptr + {self.reduction_slot[n.index]})')}"
-                 for n in self.reductions if self.g.depth(n) < level]
         loop = [f"offs = start + tl.arange(0, {size})", f"mask = offs < {r.n_reduced}"] + em.lines + add
         slot = self.reduction_slot[node.index]
         body = (self.header(1) + loads + init + [f"for start in range(0, {r.n_reduced}, {size}):"]
