@@ -127,9 +127,10 @@ class Units:
     def n_values(self) -> int:
         return sum(r.n_units for r in self.reductions)
 
-    @property
+    @functools.cached_property
     def unit_sizes(self) -> tuple[int, int]:
-        """(units, elements of each) of a one-pass body's reductions (they all have the same units)."""
+        """(units, elements of each) of a one-pass body's reductions (they all have the same units); read at every
+        firing."""
         return self.reductions[0].n_units, self.reductions[0].n_reduced
 
     def of(self, node: Node) -> UnitReduction:

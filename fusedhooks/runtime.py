@@ -155,6 +155,12 @@ def aligned(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.data_ptr() % 16 == 0 and t.numel() * t.element_size() % 16 == 0) for t in tensors)
 
 
+def units_aligned(units, element_size: int) -> bool:
+    """The one-pass kernel's part of the ALIGNED hint: every unit ((units, elements of each) per gradient) a multiple
+    of 16 bytes, so that each starts 16-byte aligned."""
+    return all(elements * element_size % 16 == 0 for _, elements in units)
+
+
 def launch(kernel, grid: tuple, *args, fast: dict | None = None, **meta) -> None:
     """Every kernel launch of fusedhooks goes through here (tests count launches by wrapping it).
 
@@ -279,8 +285,8 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
         pspan = (param if param.is_contiguous() else flat_span(param)) if uses_param else None
     hint = aligned(work, pspan)
     units = plan.units.unit_sizes if module.SPEC.one_pass else None
-    if units is not None:  # the one-pass kernel's units start 16-byte aligned
-        hint = hint and units[1] * grad.element_size() % 16 == 0
+    if units is not None:
+        hint = hint and units_aligned([units], grad.element_size())
     key = (module, numel, hint, units)
     bound = workspace.bound.get(key)
     if bound is None:
@@ -367,8 +373,8 @@ def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: in
     else:
         table, host = host, None
     sizes_aligned = all(numel * element_size % 16 == 0 for numel in numels)
-    if spec.one_pass:  # and its units start 16-byte aligned
-        sizes_aligned = sizes_aligned and all(e * element_size % 16 == 0 for _, e in units)
+    if spec.one_pass:
+        sizes_aligned = sizes_aligned and units_aligned(units, element_size)
     return BucketTable(table, n, sum(blocks), max(total, 1), sizes_aligned, host=host, units_meta=units_meta)
 
 
