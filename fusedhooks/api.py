@@ -262,7 +262,7 @@ class GradHook:
             return
         self._distributed_checked = True
         if world > 1:
-            self._buckets.at_firing = True
+            self._buckets.process_at_firing()
             warnings.warn(distributed.LocalGradientWarning(
                 f"fusedhooks: {self.__name__} processes each rank's own gradient of {entry.name} (a process group "
                 f"of {world} ranks is running). Under DistributedDataParallel that is the local, un-averaged "

@@ -104,16 +104,17 @@ def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch
         return
     uses_param = plan.graph.uses_param
     is_cuda, index = device.type == "cuda", items[0][1].get_device()  # compared without building torch.devices
-    entries, grads, params = [], [], []
+    entries, grads, params, numels = [], [], [], []
     units = [] if compiled.kernel.SPEC.one_pass else None  # (units, elements of each) of each gradient
     for k, (entry, grad, p) in enumerate(items):
         if (grad.dtype == dtype and grad.get_device() == index and grad.is_cuda == is_cuda and not grad.requires_grad
-                and grad.numel() > 0 and entry.checked_shape == grad.shape
+                and (numel := grad.numel()) and entry.checked_shape == grad.shape
                 and (grad.is_contiguous() or (plans is None and flat_span(grad) is not None))
                 and (not uses_param or (p.stride() == grad.stride() and _dense(p)))):
             entries.append(entry)
             grads.append(grad)
             params.append(p)
+            numels.append(numel)
             if units is not None:
                 units.append(plans[k].units.unit_sizes)
         else:
@@ -124,7 +125,7 @@ def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch
         amp = hook.amp_tensors(device) if plan.amp else None
         runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, hook.scalars,
                             hook.stats.tensor if plan.slots else None, hook.workspace(device), amp,
-                            None if units is None else tuple(units))
+                            None if units is None else tuple(units), tuple(numels))
         record_all(entries, grads)
 
 
@@ -142,12 +143,17 @@ class Buckets:
         #: graph task id -> its pending state, held strongly only by the callback queued on that graph task
         self._running: weakref.WeakValueDictionary[int, PendingBackward] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
-        #: True once the hook runs in a process group of several ranks: DDP's reducer may read each gradient
-        #: right after our firing, so nothing waits for the end of backward
+        #: True once the hook runs in a process group of several ranks (see `process_at_firing`)
         self.at_firing = False
         #: (graph task id, weak reference to its PendingBackward) of the last backward enqueued into while it was
         #: the only one running (-2 otherwise: every firing takes the checks of `_enqueue`)
         self._last: tuple[int, weakref.ref] = _NOT_ALONE
+
+    def process_at_firing(self) -> None:
+        """From now on process every gradient at its own firing: in a process group of several ranks, DDP's reducer
+        may read each gradient right after our firing, so nothing waits for the end of backward."""
+        self.at_firing = True
+        self._last = _NOT_ALONE  # every firing takes the checks of `_enqueue`
 
     def torch_hook(self, entry: Entry):
         """The torch hook of a bucketed tensor, `hook(param)`. Processed now, at its own firing, when the gradient
@@ -169,12 +175,13 @@ class Buckets:
             grad = param.grad
             if grad is None:
                 return
-            backward_key = graph_task_id()
             key, pending = self._last
-            pending = pending() if key == backward_key else None
-            if (pending is None or pending.done or grad.requires_grad or self.at_firing or entry.sharded
-                    or entry.has_later_hooks(param)):  # not the common case: the one backward running, already seen
-                pending = self._enqueue(entry, param, grad, backward_key)
+            if (key != graph_task_id() or (pending := pending()) is None or pending.done or grad.requires_grad
+                    or entry.sharded
+                    or next(reversed(param._post_accumulate_grad_hooks), None) != entry.torch_hook_id):
+                # not the common case (the one backward running, already seen, ours the tensor's last hook): see
+                # _enqueue
+                pending = self._enqueue(entry, param, grad, graph_task_id())
                 if pending is None:
                     return
             ident = id(param)

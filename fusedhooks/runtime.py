@@ -326,6 +326,7 @@ class BucketTable:
     addresses: tuple = ()  # the grad (then param) addresses the table holds now
     aligned: bool = False  # the ALIGNED hint of the gradients at `addresses` (see `aligned`)
     host: torch.Tensor | None = None  # the pinned copy a CUDA table came from (kept alive until replaced)
+    cpu_values: array.array | None = None  # a CPU table's memory (written in place, without a torch op)
     bound: dict = field(default_factory=dict)  # ALIGNED hint -> Bound
     units_meta: dict = field(default_factory=dict)  # UNITS and ELEMENTS of a one-pass kernel over units
 
@@ -334,13 +335,12 @@ class BucketTable:
         param addresses); stream-ordered after launches already queued."""
         if addresses == self.addresses:
             return
-        values = torch.frombuffer(array.array("q", addresses), dtype=torch.int64)  # cheaper than torch.tensor
-        if self.table.device.type == "cuda":
-            values = values.pin_memory()
+        if self.cpu_values is not None:
+            self.cpu_values[:len(addresses)] = array.array("q", addresses)
+        else:
+            values = torch.frombuffer(array.array("q", addresses), dtype=torch.int64).pin_memory()
             self.table[:len(addresses)].copy_(values, non_blocking=True)
             self.host = values
-        else:
-            self.table[:len(addresses)].copy_(values)
         self.addresses = addresses
         self.aligned = self.sizes_aligned and functools.reduce(operator.or_, addresses) % 16 == 0
 
@@ -366,30 +366,34 @@ def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: in
              "unit_numel": [e for _, e in units] if spec.one_pass else [0] * n}
     programs = [v for t, b in enumerate(blocks) for k in range(b) for v in (t, k)]
     values = [v for part in spec.table_parts for v in parts[part]] + programs
-    host = torch.tensor(values, dtype=torch.int64)
+    cpu_values = None
     if device.type == "cuda":
-        host = host.pin_memory()
+        host = torch.tensor(values, dtype=torch.int64).pin_memory()
         table = host.to(device, non_blocking=True)
     else:
-        table, host = host, None
+        cpu_values, host = array.array("q", values), None
+        table = torch.frombuffer(cpu_values, dtype=torch.int64)
     sizes_aligned = all(numel * element_size % 16 == 0 for numel in numels)
     if spec.one_pass:
         sizes_aligned = sizes_aligned and units_aligned(units, element_size)
-    return BucketTable(table, n, sum(blocks), max(total, 1), sizes_aligned, host=host, units_meta=units_meta)
+    return BucketTable(table, n, sum(blocks), max(total, 1), sizes_aligned, host=host, cpu_values=cpu_values,
+                       units_meta=units_meta)
 
 
 def fire_bucket(plan: Plan, module, grads: list[torch.Tensor], params: list[torch.Tensor], rows: list[int],
                 scalars: list[torch.Tensor], stats: torch.Tensor | None, workspace: Workspace,
-                amp: tuple | None = None, units: tuple[tuple[int, int], ...] | None = None) -> None:
+                amp: tuple | None = None, units: tuple[tuple[int, int], ...] | None = None,
+                numels: tuple[int, ...] | None = None) -> None:
     """Apply `plan` to every gradient of `grads` (of `params`, with statistics rows `rows`) with one launch per pass;
     no host sync. units: (units, elements of each) per gradient, for a one-pass kernel over units (gradients of
-    several shapes may share it).
+    several shapes may share it); numels: the gradients' numels, when the caller has them.
 
     Every grad must be non-empty, one flat span of storage (see `layout.flat_span`: its data_ptr and numel
     are those of the span), of plan.dtype on one device; with a param-reading body, each param must be a flat
     span with its grad's strides.
     """
-    numels = tuple(map(torch.Tensor.numel, grads))
+    if numels is None:
+        numels = tuple(map(torch.Tensor.numel, grads))
     addresses = tuple(map(torch.Tensor.data_ptr, grads))
     if plan.graph.uses_param:
         addresses += tuple(map(torch.Tensor.data_ptr, params))
