@@ -1,12 +1,16 @@
 """fusedhooks' own host time per firing, its kernel launches excluded (`runtime.launch` replaced by a no-op).
 
-Two figures per dtype, for a hook that clips, scales and records every statistic (the model workload's):
+Figures per dtype, for a hook that clips, scales and records every statistic (the model workload's):
 
 - one tensor: `hook(param)` called directly on a 64K-element gradient (a firing as torch makes it, without
   torch's own call into Python), µs per call;
 - a bucket: a backward over 64 parameters of 1K elements registered with `bucket_mb=25` (one bucket, processed
   at the end of the backward), minus the same backward with no hook, per parameter: everything fusedhooks adds,
-  torch's call of a Python hook per parameter included (about 1 µs on CPU; `empty python hook` measures it).
+  torch's call of a Python hook per parameter included, and the same less that call (`empty python hook`).
+
+The reference Python hooks say what any hook costs in the same backward: torch's call of an empty one, one that
+reads `.grad` (which makes the gradient's Python object), one that also keeps a weak reference to it (as the
+statistics do, so that a row never describes another gradient).
 
 On CPU the kernels are those of the Triton interpreter (TRITON_INTERPRET=1 while measuring); none runs.
 """
@@ -15,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import time
+import weakref
 
 import torch
 
@@ -68,8 +74,19 @@ def single_us(device: torch.device, dtype: torch.dtype, quick: bool) -> float:
         return 1e6 * _best_of(lambda: hook(param), 200 if quick else 2000, 5)
 
 
+_kept: dict[int, weakref.ref] = {}
+
+#: reference Python hooks (name -> post-accumulate hook): what any hook costs in the bucket's backward
+PYTHON_HOOKS = {
+    "empty python hook": lambda p: None,
+    "python hook reading .grad": lambda p: None if p.grad is None else None,
+    "python hook keeping a weak reference to .grad": lambda p: _kept.__setitem__(id(p), weakref.ref(p.grad)),
+}
+
+
 def bucket_us(device: torch.device, dtype: torch.dtype, quick: bool, hook_kind: str = "fusedhooks") -> float:
-    """µs per parameter that `hook_kind` ("fusedhooks" buckets, or "empty python hook") adds to a backward."""
+    """µs per parameter that `hook_kind` adds to a backward: "fusedhooks" (registered with `bucket_mb=25`),
+    "fusedhooks at firing" (`bucket_mb=0`, the default), or a key of PYTHON_HOOKS."""
     params = [torch.nn.Parameter(torch.zeros(BUCKET_NUMEL, device=device, dtype=dtype))
               for _ in range(BUCKET_PARAMS)]
 
@@ -78,34 +95,48 @@ def bucket_us(device: torch.device, dtype: torch.dtype, quick: bool, hook_kind: 
             p.grad = None
         sum((p * p).sum() for p in params).backward()
 
-    calls, rounds = (20, 3) if quick else (100, 5)
-    with launches_stubbed(device):
-        base = _best_of(step, calls, rounds)
-        if hook_kind == "fusedhooks":
-            hook = _hook()
-            handle = hook.register(params, bucket_mb=25)
-        else:
-            handles = [p.register_post_accumulate_grad_hook(lambda p: None) for p in params]
+    @contextlib.contextmanager
+    def registered():
+        """The hook on every parameter, for one round. Rounds without and with it alternate, and the figure is the
+        median of each pair's difference: load that comes and goes weighs on both sides of most pairs."""
+        if hook_kind.startswith("fusedhooks"):
+            with hook.register(params, bucket_mb=25 if hook_kind == "fusedhooks" else 0):
+                yield
+            return
+        handles = [p.register_post_accumulate_grad_hook(PYTHON_HOOKS[hook_kind]) for p in params]
         try:
-            hooked = _best_of(step, calls, rounds)
+            yield
         finally:
-            if hook_kind == "fusedhooks":
-                handle.remove()
-            else:
-                for h in handles:
-                    h.remove()
-    return 1e6 * (hooked - base) / BUCKET_PARAMS
+            for h in handles:
+                h.remove()
+            _kept.clear()
+
+    calls, rounds = (10, 5) if quick else (20, 31)
+    differences = []
+    with launches_stubbed(device):
+        hook = _hook()
+        for _ in range(rounds):
+            base = _best_of(step, calls, 1)
+            with registered():
+                differences.append(_best_of(step, calls, 1) - base)
+    return 1e6 * statistics.median(differences) / BUCKET_PARAMS
 
 
 def measure(device: torch.device, dtypes: list[torch.dtype], quick: bool) -> list[dict]:
     """Rows {"case", "dtype", "us", "target_us"}."""
+    python_hooks = {kind: bucket_us(device, dtypes[0], quick, kind) for kind in PYTHON_HOOKS}
     rows = []
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
         rows.append({"case": f"one tensor ({SINGLE_NUMEL:,} elements), µs per firing", "dtype": name,
                      "us": single_us(device, dtype, quick), "target_us": 10.0})
+        bucket = bucket_us(device, dtype, quick)
         rows.append({"case": f"bucket of {BUCKET_PARAMS} parameters, µs per parameter", "dtype": name,
-                     "us": bucket_us(device, dtype, quick), "target_us": 3.0})
-    rows.append({"case": "empty python hook (torch's cost of any Python hook), µs per parameter", "dtype": "-",
-                 "us": bucket_us(device, dtypes[0], quick, "empty python hook"), "target_us": None})
+                     "us": bucket, "target_us": 3.0})
+        rows.append({"case": "the same, less torch's call of a Python hook", "dtype": name,
+                     "us": bucket - python_hooks["empty python hook"], "target_us": 3.0})
+        rows.append({"case": "the same backward, the hook registered at firing (`bucket_mb=0`), µs per parameter",
+                     "dtype": name, "us": bucket_us(device, dtype, quick, "fusedhooks at firing"), "target_us": None})
+    rows += [{"case": f"{kind}, µs per parameter", "dtype": str(dtypes[0]).removeprefix("torch."), "us": us,
+              "target_us": None} for kind, us in python_hooks.items()]
     return rows
