@@ -75,10 +75,6 @@ class LaunchSpec:
         blocks number `blocks` in all."""
         return dict(self.fixed_grids).get(kernel, 0) * n_tensors or blocks
 
-    @property
-    def uses_workspace(self) -> bool:
-        return "partials" in self.args
-
     def partial_values(self, programs: int) -> int:
         """fp64 values of partials `programs` programs write."""
         return programs * self.partial_sets * PARTIAL_WIDTH
