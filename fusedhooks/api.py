@@ -665,8 +665,11 @@ class GradHook:
         """The kernel plan for a gradient of `numel` elements (or of `shape`: needed by a body that reduces over
         dimensions) and `dtype` (device: default CUDA if present)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        check_dtype("plan()", dtype)
         if shape is not None:
             numel = math.prod(shape)
+        if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
+            raise ValueError(f"plan(): numel= takes a whole number of elements >= 0, not {numel!r}")
         graph = self._graph(dtype, shape)
         backend = self._backend_for(device, graph, warn=False)
         module = None
@@ -680,6 +683,7 @@ class GradHook:
                ) -> str:
         """The generated Triton source for gradients of `dtype` (and `shape`: needed by a body that reduces over
         dimensions)."""
+        check_dtype("source()", dtype)
         plan = make_plan(self._graph(dtype, shape), self.stat_names, self.input_stat_names, amp=self._amp,
                          hist_range=self.hist_range)
         try:
@@ -720,16 +724,23 @@ def named_tensors(target, name: str | None, auto_name):
                         f"not {type(target).__name__}")
 
 
+GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_dtype(name: str, dtype) -> None:
+    """Refuse a gradient dtype the hooks cannot process."""
+    if dtype not in GRAD_DTYPES:
+        raise TypeError(f"{name}: dtype {dtype} is not supported; gradients must be float16, bfloat16, "
+                        "float32 or float64")
+
+
 def _check_param(name: str, t) -> None:
     """Refuse what torch would refuse, and what a hook cannot process, before any backward runs."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"{name}: {t.layout} tensors are not supported; gradient hooks process dense gradients")
-    if not t.dtype.is_floating_point or t.dtype not in (torch.float16, torch.bfloat16, torch.float32,
-                                                         torch.float64):
-        raise TypeError(f"{name}: dtype {t.dtype} is not supported; gradients must be float16, bfloat16, "
-                        "float32 or float64")
+    check_dtype(name, t.dtype)
     if t.device.type == "meta":
         raise ValueError(f"{name}: is a meta tensor (no data, so no gradient to process); register the hook "
                          "after the module is materialized (module.to_empty(device=...) and loading its weights)")

@@ -426,3 +426,19 @@ def test_meta_tensor_rejected_at_register(hook):
 def test_bad_bucket_mb_is_refused_by_name(hook, bucket_mb):
     with pytest.raises(ValueError, match="bucket_mb"):
         hook.register(torch.nn.Linear(2, 2), bucket_mb=bucket_mb)
+
+
+# --- plan() and source(): what a gradient cannot be ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64], ids=str)
+def test_plan_and_source_refuse_a_dtype_no_gradient_can_have(hook, dtype):
+    with pytest.raises(TypeError, match=f"plan\\(\\): dtype {dtype} is not supported"):
+        hook.plan(numel=10, dtype=dtype)
+    with pytest.raises(TypeError, match=f"source\\(\\): dtype {dtype} is not supported"):
+        hook.source(dtype=dtype)
+
+
+@pytest.mark.parametrize("numel", [-1, 2.5, True, "8"], ids=repr)
+def test_plan_refuses_a_numel_that_is_not_a_count(hook, numel):
+    with pytest.raises(ValueError, match="numel= takes a whole number of elements >= 0"):
+        hook.plan(numel=numel)
