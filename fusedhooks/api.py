@@ -153,6 +153,7 @@ class GradHook:
         #: dtype (and shape, for a body planned per shape) -> _eager_firing of CPU gradients (eager backend)
         self._eager_firings: dict[object, Callable] = {}
         self._workspaces: dict[tuple, runtime.Workspace] = {}
+        self._registering = threading.RLock()  # registrations, at register() and at first firings
         self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
         self._op_key = next(_hook_keys)
         HOOKS[self._op_key] = self
@@ -192,7 +193,7 @@ class GradHook:
             if grad is None:
                 return
         if entry is None:
-            entry = self.registry.get(param) or self._add(self._auto_name(), param)
+            entry = self.registry.get(param) or self._add_at_firing(param)
         backward_key = torch._C._current_graph_task_id() if backward_key is None else backward_key
         eager_firing = self._eager_firings.get((grad.dtype, grad.shape) if self.reduces_over_dims else grad.dtype)
         if (eager_firing is not None and type(grad) is torch.Tensor and grad.is_cpu and not grad.requires_grad
@@ -210,6 +211,10 @@ class GradHook:
     def process(self, entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
         """Apply the body to `grad` (param.grad, or DDP's averaged bucket view of it) in place and record its
         statistics in `entry`'s row, as one firing of the backward `backward_key`."""
+        if grad.layout != torch.strided:
+            raise TypeError(f"{entry.name}: its gradient is a {grad.layout} tensor; gradient hooks process dense "
+                            "gradients: make the module produce dense ones (nn.Embedding(sparse=False)) or register "
+                            "the hook on the other parameters only")
         self.stats.begin_firing(backward_key)
         if grad.requires_grad:
             compiled = self._compiled_for_autograd(grad.dtype, grad.shape)
@@ -222,6 +227,8 @@ class GradHook:
         amp = self.amp_tensors(grad.device) if compiled.plan.amp else None
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
                      self._workspace_for(grad), amp)
+        if stats_row is not None:
+            self.stats.settle(stats_row, entry.row)
         entry.record(grad)
         key = (grad.dtype, grad.shape) if self.reduces_over_dims else grad.dtype  # (a plan per shape)
         if compiled.plan.backend == "eager" and key not in self._eager_firings and not grad.requires_grad:
@@ -246,6 +253,8 @@ class GradHook:
             stats_row = stats.row(entry.row) if plan.slots else None
             amp = self.amp_tensors(grad.device) if plan.amp else None
             eager.run(plan, body, grad, param, scalars, stats_row, amp, self._workspace_for(grad).scratch)
+            if stats_row is not None:
+                stats.settle(stats_row, entry.row)
             entry.record(grad)
         return firing
 
@@ -484,11 +493,16 @@ class GradHook:
                                  "runs, only in the synchronising backward, on the accumulated average")
             return distributed.register_ddp(self, target, name, bucket_mb)
         bucket_bytes = _parse_bucket_mb(bucket_mb) if not isinstance(target, torch.Tensor) else 0
-        pairs = list(self._targets(target, name))
-        self._check_targets(pairs)
         handle = RegistrationHandle(self)
         handle.when = when
-        self._register_pairs(pairs, bucket_bytes, handle)
+        with self._registering:  # against other threads' registrations, first firings included
+            pairs = list(self._targets(target, name))
+            if isinstance(target, torch.nn.Module):
+                _check_dense_gradients(target, name)
+            self._check_targets(pairs)
+            if torch.__future__.get_swap_module_params_on_conversion():
+                warnings.warn(SWAP_CONVERSION_WARNING, stacklevel=2)
+            self._register_pairs(pairs, bucket_bytes, handle)
         if isinstance(target, torch.nn.Module):
             distributed.follow_parameters(self, target, name, bucket_bytes, handle)
         return handle
@@ -658,6 +672,12 @@ class GradHook:
         _check_param(name, t)
         return self.registry.add(name, t)
 
+    def _add_at_firing(self, t: torch.Tensor) -> Entry:
+        """Register `t`, registered through torch directly (`t.register_post_accumulate_grad_hook(hook)`), at its
+        first firing; threads firing on new tensors at once get one row each."""
+        with self._registering:
+            return self.registry.get(t) or self._add(self._auto_name(), t)
+
     # --- introspection ----------------------------------------------------------------------------
 
     def plan(self, numel: int | None = None, dtype: torch.dtype = torch.float32, device=None,
@@ -722,6 +742,26 @@ def named_tensors(target, name: str | None, auto_name):
     else:
         raise TypeError(f"register() takes a Tensor, an nn.Module or an iterable of them, "
                         f"not {type(target).__name__}")
+
+
+#: register()'s warning when torch.__future__.set_swap_module_params_on_conversion(True) is on
+SWAP_CONVERSION_WARNING = (
+    "torch.__future__.set_swap_module_params_on_conversion(True) is on: converting the module after this "
+    "register() (model.to(dtype or device), .half(), .cuda()) swaps its parameter tensors, which torch refuses "
+    "while fusedhooks holds them (RuntimeError: Couldn't swap ...), and a swapped parameter's post-accumulate-grad "
+    "hooks, fusedhooks' or anyone's, no longer fire, even registered again. Convert the model first, then register "
+    "the hook; or leave that flag off")
+
+
+def _check_dense_gradients(module: torch.nn.Module, prefix: str | None) -> None:
+    """Refuse a module with a submodule that gives its weight sparse gradients (nn.Embedding(sparse=True),
+    nn.EmbeddingBag(sparse=True))."""
+    for mname, m in module.named_modules(prefix=prefix or ""):
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            wname = f"{mname}.weight" if mname else "weight"
+            raise TypeError(f"{wname}: {type(m).__name__}(sparse=True) gives it sparse gradients, and gradient hooks "
+                            f"process dense gradients: use {type(m).__name__}(sparse=False), or register the hook "
+                            f"on the other parameters ([p for n, p in model.named_parameters() if n != {wname!r}])")
 
 
 GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -123,9 +123,11 @@ def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch
         rows = [entry.row for entry in entries]
         hook.stats.mark_written(rows)
         amp = hook.amp_tensors(device) if plan.amp else None
-        runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, hook.scalars,
-                            hook.stats.tensor if plan.slots else None, hook.workspace(device), amp,
-                            None if units is None else tuple(units), tuple(numels))
+        stats = hook.stats.tensor if plan.slots else None
+        runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, hook.scalars, stats, hook.workspace(device),
+                            amp, None if units is None else tuple(units), tuple(numels))
+        if stats is not None:
+            hook.stats.settle(stats, rows)
         record_all(entries, grads)
 
 
@@ -184,6 +186,11 @@ class Buckets:
                 pending = self._enqueue(entry, param, grad, graph_task_id())
                 if pending is None:
                     return
+            try:
+                nbytes = grad.nbytes
+            except RuntimeError:  # a sparse gradient: refused by name at its firing
+                hook.fire(param, entry, graph_task_id())
+                return
             ident = id(param)
             if ident in pending.seen:  # a second firing in the same backward is processed once
                 return
@@ -193,7 +200,7 @@ class Buckets:
             if bucket is None:
                 bucket = pending.buckets[bucket_key] = _Bucket()
             bucket.items.append((entry, param))
-            bucket.nbytes += grad.nbytes
+            bucket.nbytes += nbytes
             if bucket.nbytes >= entry.bucket_bytes:
                 pending.flush(bucket_key)
         return enqueue
@@ -223,6 +230,7 @@ class Buckets:
                 # still holds it: processed once, at the outer backward's end, on the full gradient
                 return None
             if pending is None:
+                hook.stats.begin_firing(backward_key)  # numbered from its first firing (see gates.Backwards)
                 pending = PendingBackward(hook, backward_key)
                 torch.autograd.Variable._execution_engine.queue_callback(pending.flush_all)
                 self._running[backward_key] = pending

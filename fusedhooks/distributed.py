@@ -442,21 +442,24 @@ def _fingerprint(module: torch.nn.Module) -> tuple:
     return tuple(type(m) for m in module.modules())
 
 
-def follow_parameters(hook: GradHook, module: torch.nn.Module, prefix: str | None, bucket_bytes: int,
-                      handle: RegistrationHandle) -> None:
-    """Keep a module registration on the module's current parameters: at each forward in a process group,
-    when a module of it has been `fully_shard`ed since (its class changed), the hook moves to the sharded
-    parameters (same names, rows cleared)."""
-    seen = [_fingerprint(module)]
+class _FollowParameters:
+    """The forward pre-hook of `follow_parameters`. A copy of its module (copy.deepcopy, pickle, torch.save) gets
+    `_NotFollowing` instead: torch does not copy the parameters' hooks either, so the copy is not registered."""
 
-    def check(mod, args) -> None:
+    def __init__(self, hook: GradHook, prefix: str | None, bucket_bytes: int, handle: RegistrationHandle,
+                 fingerprint):
+        self.hook, self.prefix, self.bucket_bytes, self.handle = hook, prefix, bucket_bytes, handle
+        self.seen = fingerprint
+
+    def __call__(self, mod: torch.nn.Module, args) -> None:
         if torch.compiler.is_compiling() or world_size() is None:
             return
         fingerprint = _fingerprint(mod)
-        if fingerprint == seen[0]:
+        if fingerprint == self.seen:
             return
-        seen[0] = fingerprint
-        pairs = current_parameters(mod, prefix)
+        self.seen = fingerprint
+        hook, handle = self.hook, self.handle
+        pairs = current_parameters(mod, self.prefix)
         now = {id(t) for t in handle.tensors}
         if {id(t) for _, t in pairs} == now:
             return
@@ -466,7 +469,24 @@ def follow_parameters(hook: GradHook, module: torch.nn.Module, prefix: str | Non
             hook.registry.remove(t)
         handle._items.clear()
         hook._check_targets(pairs)
-        hook._register_pairs(pairs, bucket_bytes, handle)
+        hook._register_pairs(pairs, self.bucket_bytes, handle)
 
+    def __reduce__(self):
+        return _NotFollowing, ()
+
+
+class _NotFollowing:
+    """What a `_FollowParameters` becomes in a copy of its module: nothing to follow."""
+
+    def __call__(self, mod: torch.nn.Module, args) -> None:
+        return None
+
+
+def follow_parameters(hook: GradHook, module: torch.nn.Module, prefix: str | None, bucket_bytes: int,
+                      handle: RegistrationHandle) -> None:
+    """Keep a module registration on the module's current parameters: at each forward in a process group,
+    when a module of it has been `fully_shard`ed since (its class changed), the hook moves to the sharded
+    parameters (same names, rows cleared)."""
+    check = _FollowParameters(hook, prefix, bucket_bytes, handle, _fingerprint(module))
     pre = module.register_forward_pre_hook(check)
     handle._on_remove.append(pre.remove)

@@ -3,6 +3,7 @@ condition the user gives holds (`register(..., accumulation_steps=n)`, `register
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -21,40 +22,66 @@ class _Running:
         self.done = True
 
 
+class Backwards:
+    """Numbers the backwards in which something fires (statistics rows, `accumulation_steps=`), told apart by
+    autograd's graph task.
+
+    Backwards that overlap in time count as one: a backward started while a numbered one still runs (the nested
+    backward of reentrant activation checkpointing, another thread's backward on a shared hook) gets its number.
+    A backward that raises ends with it. Firings outside any backward (calls by hand, graph task -1) count as
+    one backward, until a backward fires.
+    """
+
+    __slots__ = ("number", "_key", "_members", "_lock")
+
+    def __init__(self):
+        self.number = 0  # of the current backward; 0 before the first
+        self._key: int | None = None  # the graph task of the last firing
+        self._members: dict[int, weakref.ref | None] = {}  # graph tasks of the current number -> their marker
+        self._lock = threading.Lock()
+
+    def enter(self, key: int) -> bool:
+        """A firing in graph task `key` (-1: outside a backward); True when it starts a new backward."""
+        if key == self._key:
+            return False
+        with self._lock:
+            self._key = key
+            if key in self._members:
+                return False
+            running = any(marker is not None and (m := marker()) is not None and not m.done
+                          for marker in self._members.values())
+            started = not running and (key != -1 or -1 not in self._members)
+            if started:
+                self.number += 1
+                self._members = {}
+            marker = None
+            if key != -1 and key == torch._C._current_graph_task_id():
+                m = _Running()
+                torch.autograd.Variable._execution_engine.queue_callback(m)
+                marker = weakref.ref(m)
+            self._members[key] = marker
+            return started
+
+
 class EveryNthBackward:
     """`when=` of `register(..., accumulation_steps=steps)`: true in the backwards numbered steps, 2 * steps, ...
-    of those in which the registration fires (counted from 1), false in the others.
-
-    A backward started while a counted one still runs (the nested backward of reentrant activation checkpointing)
-    is part of it; firings outside any backward (calls by hand) count as one backward, as for statistics rows.
+    of those in which the registration fires (counted from 1, as `Backwards` counts them), false in the others.
     """
 
     def __init__(self, steps: int):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"accumulation_steps= takes a whole number of micro-batches >= 1, not {steps!r}")
         self.steps = steps
-        self.backwards = 0  # backwards counted so far
-        self._key: int | None = None  # the autograd graph task id of the last one counted
-        self._nested: set[int] = set()
-        self._running: weakref.ref | None = None
-        self._process = False
+        self._backwards = Backwards()
+
+    @property
+    def backwards(self) -> int:
+        """Backwards counted so far."""
+        return self._backwards.number
 
     def __call__(self) -> bool:
-        key = torch._C._current_graph_task_id()
-        if key == self._key or key in self._nested:
-            return self._process
-        running = self._running() if self._running is not None else None
-        if running is not None and not running.done:
-            self._nested.add(key)
-            return self._process
-        self._key, self._nested, self._running = key, set(), None
-        self.backwards += 1
-        self._process = self.backwards % self.steps == 0
-        if key != -1:
-            running = _Running()
-            torch.autograd.Variable._execution_engine.queue_callback(running)
-            self._running = weakref.ref(running)
-        return self._process
+        self._backwards.enter(torch._C._current_graph_task_id())
+        return self._backwards.number % self.steps == 0
 
 
 def parse(accumulation_steps, when):

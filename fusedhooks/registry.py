@@ -95,9 +95,9 @@ class Registry:
         key = id(t)
         registry = weakref.ref(self)
 
-        def forget(_ref, key=key):
+        def forget(ref, key=key):  # (no reference to the entry: remove() frees it, and its weak reference, at once)
             reg = registry()
-            if reg is not None and reg._entries.get(key) is entry:
+            if reg is not None and (entry := reg._entries.get(key)) is not None and entry.ref is ref:
                 del reg._entries[key]
 
         entry = Entry(weakref.ref(t, forget), name, row)

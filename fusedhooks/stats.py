@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
+from .gates import Backwards
 from .ir import COUNT_STATS
 from .plan import slot_names
 
@@ -39,8 +41,9 @@ class HookStats:
     `tensor` is a float64 device tensor of shape [parameters, slots]; slot j of every row holds
     `slot_names[j]` (statistics after the body first, then "input.<name>" ones). A row is overwritten
     at each firing of its parameter; rows that have not fired hold NaN and are left out of `read()`.
-    Each backward in which the hook fires (told apart by autograd's graph task; calls by hand outside a
-    backward count as one) is numbered; a row remembers the number of the backward that wrote it.
+    Each backward in which the hook fires is numbered (`gates.Backwards`: overlapping backwards, such as
+    reentrant checkpointing's nested one or other threads', count as one; calls by hand outside a backward
+    count as one); a row remembers the number of the backward that wrote it.
     """
 
     def __init__(self, stats: tuple[str, ...], input_stats: tuple[str, ...], hist_range: tuple[int, int]):
@@ -48,10 +51,11 @@ class HookStats:
         self.slot_names = slot_names(stats, input_stats, hist_range)
         self.names: list[str] = []
         self._written: list[int] = []  # per row: the number of the backward that wrote it, 0 for never
-        self._backward = 0  # the number of the most recent backward in which the hook fired
-        self._backward_key: int | None = None  # its autograd graph task id (-1: outside a backward)
+        self._backwards = Backwards()  # numbers the backwards in which the hook fires
         self._buffer: torch.Tensor | None = None
         self._rows: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()  # buffer growth (a registration) against firings in other threads
+        self._growing = False
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -73,11 +77,16 @@ class HookStats:
             raise ValueError(f"this hook records statistics on {self._buffer.device}; a parameter on {device} "
                              "needs a hook of its own")
         row = torch.full((1, len(self.slot_names)), math.nan, dtype=torch.float64, device=device)
-        self._buffer = row if self._buffer is None else torch.cat([self._buffer, row])
-        self._rows = {}
-        self.names.append(name)
-        self._written.append(0)
-        return len(self.names) - 1
+        with self._lock:  # a firing in another thread may be writing a row of the buffer now: see settle()
+            self._growing = True
+            try:
+                self._buffer = row if self._buffer is None else torch.cat([self._buffer, row])
+                self._rows = {}
+            finally:
+                self._growing = False
+            self.names.append(name)
+            self._written.append(0)
+            return len(self.names) - 1
 
     def clear_row(self, index: int) -> None:
         """Forget row `index` (its name is registered again, for another tensor)."""
@@ -86,9 +95,7 @@ class HookStats:
 
     def begin_firing(self, backward_key: int) -> None:
         """A firing starts in the backward with autograd graph task id `backward_key`."""
-        if backward_key != self._backward_key:
-            self._backward_key = backward_key
-            self._backward += 1
+        self._backwards.enter(backward_key)
 
     def fired(self, index: int) -> bool:
         """Has row `index` been written since registration or reset()?"""
@@ -97,15 +104,26 @@ class HookStats:
     def row(self, index: int) -> torch.Tensor:
         """Row `index` of the buffer, marked as written by the current backward (a view, cached; the kernel
         writes into it)."""
-        self._written[index] = self._backward
+        self._written[index] = self._backwards.number
         row = self._rows.get(index)
         if row is None:
-            row = self._rows[index] = self._buffer[index]
+            with self._lock:
+                row = self._rows[index] = self._buffer[index]
         return row
+
+    def settle(self, written: torch.Tensor, rows: int | list[int]) -> None:
+        """Rows `rows` were just written into `written` (the buffer, `tensor`, or a view of it from `row()`): if
+        another thread's registration replaced the buffer meanwhile (add_row copies it as it is then), copy them
+        into the new one."""
+        if self._growing or (written._base if written._base is not None else written) is not self._buffer:
+            with self._lock:
+                base = written._base if written._base is not None else written
+                if base is not self._buffer:
+                    self._buffer[rows] = base[rows]
 
     def mark_written(self, indices: list[int]) -> None:
         """Rows `indices` are written by the current backward (a bucket's kernels write them through its table)."""
-        written, backward = self._written, self._backward
+        written, backward = self._written, self._backwards.number
         for index in indices:
             written[index] = backward
 
@@ -121,7 +139,7 @@ class HookStats:
         for name, written, row in zip(self.names, self._written, values):
             if written:
                 entry = ParamStats()
-                entry.fresh = written == self._backward
+                entry.fresh = written == self._backwards.number
                 for s, v in zip(self.slot_names, row):
                     if s.endswith("hist"):
                         entry.setdefault(s, []).append(int(v))

@@ -100,3 +100,50 @@ def test_amp_misuse_is_refused():
     scaler.unscale_(opt2)                                             # the user unscaled already
     with pytest.raises(RuntimeError, match="do not call"):
         hook2(p2)
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 25])
+def test_torch_unscale_then_clip_grad_norm_reads_the_unscaled_norms(backend, bucket_mb):
+    """torch's AMP recipe with a statistics hook: scaler.unscale_(opt), then fh.clip_grad_norm_. The unscale writes
+    the gradients without bumping their versions; fusedhooks bumps them, so the norms recorded on the scaled
+    gradients are not taken for the unscaled ones: the same total norm and gradients as torch's clip."""
+    results = []
+    for use_fh in (True, False):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        if use_fh:
+            hook = fh.grad_hook(stats=("norm",), backend=backend)
+            hook.register(model, bucket_mb=bucket_mb)
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+        scaler.scale(model(x).square().sum()).backward()
+        scaler.unscale_(opt)
+        if use_fh:
+            total = fh.clip_grad_norm_(hook, 1.0)
+        else:
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        results.append((total, [p.grad for p in model.parameters()]))
+    (total, grads), (expected_total, expected_grads) = results
+    torch.testing.assert_close(total, expected_total, rtol=1e-6, atol=0)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=0)
+
+
+def test_a_grad_scaler_subclass_defined_later_bumps_versions_too():
+    """FSDP's ShardedGradScaler overrides _unscale_grads_ and may be defined after fusedhooks is imported."""
+    class MyScaler(torch.amp.GradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    class MyOtherScaler(torch.amp.GradScaler):   # no override: inherits the wrapped one
+        pass
+
+    for cls in (MyScaler, MyOtherScaler):
+        p = torch.nn.Parameter(torch.ones(3))
+        p.grad = torch.full((3,), 8.0)
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = cls("cpu", init_scale=8.0)
+        scaler.scale(torch.ones(()))  # sets the scale
+        version = p.grad._version
+        scaler.unscale_(opt)
+        assert torch.equal(p.grad, torch.ones(3)) and p.grad._version > version, cls.__name__

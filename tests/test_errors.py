@@ -422,6 +422,39 @@ def test_meta_tensor_rejected_at_register(hook):
     assert hook.stats.names == []
 
 
+@pytest.mark.parametrize("module", [torch.nn.Embedding(6, 3, sparse=True), torch.nn.EmbeddingBag(6, 3, sparse=True)],
+                         ids=["Embedding", "EmbeddingBag"])
+def test_module_with_sparse_gradients_rejected_at_register(hook, module):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), module)
+    with pytest.raises(TypeError, match=r"1\.weight: Embedding(Bag)?\(sparse=True\) gives it sparse gradients.*"
+                                        r"sparse=False.*other parameters"):
+        hook.register(model)
+    assert hook.stats.names == []
+    module.weight.requires_grad_(False)  # frozen: it gets no gradient, so nothing to refuse
+    hook.register(model)
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 25])
+def test_sparse_gradient_of_a_tensor_refused_at_its_firing(backend, bucket_mb):
+    """A bare tensor cannot tell in advance that it will get a sparse gradient: refused when it comes."""
+    hook = fh.grad_hook(lambda grad: grad * 0.5, stats=("norm",), backend=backend)
+    weight = torch.randn(6, 3, requires_grad=True)
+    hook.register([("emb", weight)], bucket_mb=bucket_mb)
+    with pytest.raises(TypeError, match="emb: its gradient is a torch.sparse_coo tensor.*dense"):
+        torch.nn.functional.embedding(torch.tensor([0, 2]), weight, sparse=True).sum().backward()
+
+
+def test_register_warns_when_module_conversions_swap_parameters(hook):
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with pytest.warns(UserWarning, match=r"set_swap_module_params_on_conversion\(True\) is on.*Convert the "
+                                             r"model first, then register"):
+            hook.register(torch.nn.Linear(2, 2))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
 @pytest.mark.parametrize("bucket_mb", [float("inf"), float("nan"), -1, "25", True])
 def test_bad_bucket_mb_is_refused_by_name(hook, bucket_mb):
     with pytest.raises(ValueError, match="bucket_mb"):

@@ -137,8 +137,12 @@ def test_concurrent_backwards_in_two_threads_are_independent(backend, mode, monk
     hook = fh.grad_hook(clip_body, stats=("absmax",), backend=backend)
     for i, m in enumerate(models):
         hook.register(m, name=f"m{i}", **MODES[mode])
-    b_done = threading.Event()
+    a_paused, b_done = threading.Event(), threading.Event()
     results, errors = {}, []
+
+    def pause(grad):
+        a_paused.set()
+        assert b_done.wait(timeout=60)
 
     def run(i):
         try:
@@ -146,7 +150,9 @@ def test_concurrent_backwards_in_two_threads_are_independent(backend, mode, monk
             model = models[i]
             hidden = torch.tanh(model[0](x))
             if i == 0:   # runs after model[2]'s gradients fired, before model[0]'s: wait for thread B
-                hidden.register_hook(lambda g: (b_done.wait(timeout=60), None)[1])
+                hidden.register_hook(pause)
+            else:
+                assert a_paused.wait(timeout=60)
             loss = ((model[2](hidden) - y) ** 2).sum() * 10
             loss.backward()
             results[i] = max(p.grad.abs().max().item() for p in model.parameters())
@@ -164,7 +170,106 @@ def test_concurrent_backwards_in_two_threads_are_independent(backend, mode, monk
     assert not any(t.is_alive() for t in threads), "a backward hung"
     assert not errors, errors
     assert results[0] <= 0.125 and results[1] <= 0.125, results
-    assert len(hook.stats.read()) == 8
+    reading = hook.stats.read()
+    assert len(reading) == 8
+    assert reading.stale == []  # overlapping backwards count as one: each thread's rows are fresh
+
+
+def test_first_firings_in_two_threads_register_each_tensor_once(monkeypatch):
+    """A hook attached through torch directly (`p.register_post_accumulate_grad_hook(hook)`) registers each tensor at
+    its first firing; two threads' first backwards at once give every tensor one row, holding its own norm."""
+    serialize_launches(monkeypatch)
+    hook = fh.grad_hook(stats=("norm",))
+    models = [torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)]) for _ in range(2)]
+    for m in models:
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+    start, errors = threading.Barrier(2), []
+
+    def run(model):
+        try:
+            start.wait(timeout=60)
+            model(torch.ones(2, 4)).sum().backward()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a backward hung"
+    assert not errors, errors
+    params = [p for m in models for p in m.parameters()]
+    assert len(hook.stats.names) == len(set(hook.stats.names)) == len(params) == hook.stats.tensor.shape[0]
+    reading = hook.stats.read()
+    for p in params:
+        torch.testing.assert_close(reading[hook.registry.get(p).name]["norm"],
+                                   torch.linalg.vector_norm(p.grad.double()).item(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_registration_while_a_firing_writes_its_row_keeps_the_row(backend, mode, monkeypatch):
+    """Another thread registering a tensor grows the statistics buffer (a new tensor); a firing that was writing its
+    row into the old one at that moment still has its statistics in the new one (here the registration runs right
+    before each launch, once the firing holds the row it writes)."""
+    model = mlp()
+    hook = fh.grad_hook(stats=("norm",), backend=backend)
+    hook.register(model, **MODES[mode])
+    extra = iter([torch.zeros(3, requires_grad=True) for _ in range(16)])
+
+    def growing(launch):
+        def launch_after_a_registration(*args, **kwargs):
+            hook.register(next(extra))  # after the row to write was taken, before the kernel writes it
+            launch(*args, **kwargs)
+        return launch_after_a_registration
+
+    monkeypatch.setattr(runtime, "fire", growing(runtime.fire))
+    monkeypatch.setattr(runtime, "fire_bucket", growing(runtime.fire_bucket))
+    loss_of(model, batch()).backward()
+    monkeypatch.undo()
+    assert len(hook.stats.names) > 4  # the buffer grew during backward
+    reading = hook.stats.read()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(reading[name]["norm"], torch.linalg.vector_norm(p.grad.double()).item(),
+                                   rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("copy_of", ["deepcopy", "pickle"])
+def test_a_copy_of_a_registered_model_is_not_registered(backend, copy_of):
+    """torch does not copy a tensor's hooks (deepcopy, pickle, torch.save): the copy of a registered module is an
+    unregistered module, and the original keeps its registration."""
+    import copy
+    import pickle
+
+    model = mlp()
+    hook = fh.grad_hook(clip_body, stats=("norm",), backend=backend)
+    hook.register(model)
+    clone = copy.deepcopy(model) if copy_of == "deepcopy" else pickle.loads(pickle.dumps(model))
+    loss_of(clone, batch()).backward()
+    assert hook.stats.read() == {}
+    assert any(p.grad.abs().max() > 0.125 for p in clone.parameters())  # not clipped
+    loss_of(model, batch()).backward()
+    assert sorted(hook.stats.read()) == sorted(n for n, _ in model.named_parameters())
+    assert all(p.grad.abs().max() <= 0.125 for p in model.parameters())
+
+
+def test_remove_drops_every_reference_to_the_tensors_at_once(backend):
+    """After handle.remove() fusedhooks holds no weak reference to the tensors (torch.utils.swap_tensors refuses a
+    tensor that has one), without waiting for the garbage collector."""
+    import weakref
+
+    model = mlp()
+    hook = fh.grad_hook(clip_body, stats=("norm",), backend=backend)
+    handle = hook.register(model)
+    loss_of(model, batch()).backward()
+    assert all(weakref.getweakrefcount(p) for p in model.parameters())
+    gc.disable()
+    try:
+        handle.remove()
+        assert [weakref.getweakrefcount(p) for p in model.parameters()] == [0] * 4
+    finally:
+        gc.enable()
 
 
 # --- remove() during backward ----------------------------------------------------------------------------
@@ -283,6 +388,30 @@ def test_read_tells_which_rows_the_last_backward_wrote(backend, mode):
     with hook.paused():                             # a backward in which the hook did not fire changes nothing
         loss_of(model, (x, y)).backward()
     assert sorted(hook.stats.read().stale) == ["0.bias", "0.weight"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_written_in_a_reentrant_checkpoints_nested_backward_are_fresh(backend, mode):
+    """The nested backward of reentrant activation checkpointing belongs to the outer one: after each backward,
+    every row is fresh, so to_scalars() keeps the checkpointed layer's statistics."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = mlp()
+    hook = fh.grad_hook(stats=("norm",), backend=backend)
+    hook.register(model, **MODES[mode])
+    x, y = batch()
+    x.requires_grad_()  # (a reentrant checkpoint whose inputs need no gradient gives its parameters none)
+    for _ in range(2):
+        model.zero_grad()
+        hidden = checkpoint(lambda t: torch.tanh(model[0](t)), x, use_reentrant=True)
+        ((model[2](hidden) - y) ** 2).sum().backward()
+        reading = hook.stats.read()
+        assert sorted(reading) == sorted(n for n, _ in model.named_parameters())
+        assert reading.stale == []
+        assert {k.split("/")[1] for k in hook.stats.to_scalars()} == set(reading)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(reading[name]["norm"], torch.linalg.vector_norm(p.grad.double()).item(),
+                                   rtol=1e-6, atol=0)
 
 
 def test_a_firing_in_another_thread_between_two_passes_does_not_disturb_them(monkeypatch):
