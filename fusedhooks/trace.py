@@ -443,6 +443,13 @@ def _op_node(add, op: str, args: dict, metas: dict, body: TracedBody, shape) -> 
         out = eager(op, meta_args)
     except Exception as e:
         raise CompileError(f"cannot compile {body.name}: `{op}` failed on these arguments: {e}") from None
+    fill = args.get({"full_like": "fill_value", "fill": "value"}.get(op, ""))
+    if fill is not None and out.dtype.is_floating_point:
+        try:  # what torch checks when it fills a real tensor (a meta one is not checked)
+            torch.full((2,), fill, dtype=out.dtype)  # (torch checks fills of more than one element)
+        except RuntimeError as e:
+            raise CompileError(f"cannot compile {body.name} for {out.dtype} gradients: `{op}` with {fill!r}: torch "
+                               f"raises ({e}); use a value {out.dtype} can hold") from None
     if out.dtype not in BODY_DTYPES:
         raise CompileError(f"cannot compile {body.name}: `{op}` gives dtype {out.dtype}; values in a hook body "
                            f"may be {', '.join(str(d).removeprefix('torch.') for d in BODY_DTYPES)}")

@@ -455,6 +455,17 @@ def test_register_warns_when_module_conversions_swap_parameters(hook):
         torch.__future__.set_swap_module_params_on_conversion(previous)
 
 
+@pytest.mark.parametrize("body", [lambda grad: torch.full_like(grad, 1e6), lambda grad: grad.fill_(-7e4)],
+                         ids=["full_like", "fill_"])
+def test_fill_value_a_half_gradient_cannot_hold_rejected_at_register(body):
+    """torch raises when it fills a float16 tensor with a value out of its range; a kernel would write inf."""
+    hook = fh.grad_hook(body)
+    with pytest.raises(fh.CompileError, match=r"for torch.float16 gradients.*without overflow.*can hold"):
+        hook.register(leaf(3, dtype=torch.float16))
+    assert hook.stats.names == []
+    hook.register(leaf(3, dtype=torch.bfloat16))  # in range
+
+
 @pytest.mark.parametrize("bucket_mb", [float("inf"), float("nan"), -1, "25", True])
 def test_bad_bucket_mb_is_refused_by_name(hook, bucket_mb):
     with pytest.raises(ValueError, match="bucket_mb"):
