@@ -40,18 +40,17 @@ class Backwards:
         self._members: dict[int, weakref.ref | None] = {}  # graph tasks of the current number -> their marker
         self._lock = threading.Lock()
 
-    def enter(self, key: int) -> bool:
-        """A firing in graph task `key` (-1: outside a backward); True when it starts a new backward."""
+    def enter(self, key: int) -> None:
+        """A firing in graph task `key` (-1: outside a backward): `number` is then its backward's."""
         if key == self._key:
-            return False
+            return
         with self._lock:
             self._key = key
             if key in self._members:
-                return False
+                return
             running = any(marker is not None and (m := marker()) is not None and not m.done
                           for marker in self._members.values())
-            started = not running and (key != -1 or -1 not in self._members)
-            if started:
+            if not running and (key != -1 or -1 not in self._members):
                 self.number += 1
                 self._members = {}
             marker = None
@@ -60,7 +59,6 @@ class Backwards:
                 torch.autograd.Variable._execution_engine.queue_callback(m)
                 marker = weakref.ref(m)
             self._members[key] = marker
-            return started
 
 
 class EveryNthBackward:
