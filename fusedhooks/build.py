@@ -70,6 +70,7 @@ def families() -> dict[str, object]:
         "normalise-by-norm": grad_hook(lambda g: g / g.norm(), stats=("norm",)),
         "standardise": grad_hook(lambda g: (g - g.mean()) / (g.std() + 1e-6)),
         "weight-decay(param)": grad_hook(lambda g, p: g + 1e-4 * p),
+        "pow+selects": grad_hook(lambda g: torch.maximum(g.clamp(min=-1.0), g.abs() ** 1.7)),
         "agc(rows, one pass)": agc(0.01, stats=("norm",)),
         "column-norm(two passes)": grad_hook(lambda g: g / (g.norm(dim=0, keepdim=True) + 1e-6)),
         "factored(rows+columns+whole)": grad_hook(lambda g: g * (g * g).mean(dim=1, keepdim=True)

@@ -90,7 +90,6 @@ _COMPUTE = {
 }
 _ROUND = {torch.float16: "round_to_fp16", torch.bfloat16: "round_to_bf16"}
 _FLOAT_CT = ("tl.float32", "tl.float64")
-_NAN_ALL = "propagate_nan=tl.PropagateNan.ALL"
 
 
 def compute_type(dtype: torch.dtype) -> str:
@@ -101,6 +100,16 @@ def compute_type(dtype: torch.dtype) -> str:
 def _float_text(v: float) -> str:
     """A Python float as source text (inf and nan have no literal)."""
     return repr(v) if math.isfinite(v) else f'float("{v}")'
+
+
+def split_exponent(e: float) -> tuple[float, float]:
+    """(hi, lo) with hi + lo == e exactly and at most 27 significant bits in each; (0.0, 0.0) for an infinite
+    or NaN e. `pow_scalar` (kernels/elementwise.py) multiplies each by an integer of at most 11 bits, exactly."""
+    if not math.isfinite(e):
+        return 0.0, 0.0
+    mantissa, exp = math.frexp(e)
+    hi = math.ldexp(float(math.trunc(mantissa * 2.0**26)), exp - 26)  # |hi| <= |e|: never overflows
+    return hi, e - hi
 
 
 def literal(value, ctype: str) -> str:
@@ -207,15 +216,13 @@ class _Emitter:
             return self.pow(v("input"), a["exponent"], ct, n.op_dtype)
         if op in ("clamp", "clamp_min", "clamp_max"):
             x = v("input")
-            nan = f", {_NAN_ALL}" if is_float else ""
             if a.get("min") is not None:
-                x = f"tl.maximum({x}, {v('min')}{nan})"
+                x = self.select("max", x, v("min"), a["min"], is_float)
             if a.get("max") is not None:
-                x = f"tl.minimum({x}, {v('max')}{nan})"
+                x = self.select("min", x, v("max"), a["max"], is_float)
             return x
-        if op in ("minimum", "maximum"):
-            nan = f", {_NAN_ALL}" if is_float else ""
-            return f"tl.{op}({v('input')}, {v('other')}{nan})"
+        if op in ("maximum", "minimum"):
+            return self.select(op[:3], v("input"), v("other"), a["other"], is_float)
         if op == "where":
             return f"tl.where({self.truth(a['condition'])}, {v('input')}, {v('other')})"
         if op in COMPARISONS:
@@ -254,6 +261,23 @@ class _Emitter:
             return self.value(a["input"], ct)
         raise NotImplementedError(f"codegen has no rule for {op}")  # trace.py admits only ops with rules
 
+    def select(self, which: str, x: str, y: str, y_node: Node, is_float: bool) -> str:
+        """max(x, y) or min(x, y) (`which`) as torch's `maximum`/`minimum(x, y)` and a lower/upper clamp bound y
+        compute it: NaN if either is NaN, else y only where it is strictly beyond x, so x on a tie: -0.0 stays -0.0
+        under clamp(min=0.0), and maximum(-0.0, 0.0) is -0.0. A select on comparisons gives the same bits on every
+        device (tl.maximum/tl.minimum decide signed zeros and NaN differently in the interpreter and on the GPU).
+        Zero ties are decided as torch's scalar code, its CUDA kernels and every CPU clamp with number bounds do;
+        README (Precision) names the vectorised CPU loops that return y instead."""
+        if not is_float:
+            return f"tl.{which}imum({x}, {y})"
+        beyond = f"{y} > {x}" if which == "max" else f"{y} < {x}"
+        if y_node.kind != "const":
+            # nested, not `|`: an `|` with a 0-dim y (a scalar read) fails in the interpreter
+            return f"tl.where({y} != {y}, {y}, tl.where({beyond}, {y}, {x}))"
+        if math.isnan(float(y_node.value)):
+            return f"tl.where({x} == {x}, {y}, {x})"  # NaN everywhere (torch fills NaN for a NaN bound)
+        return f"tl.where({beyond}, {y}, {x})"
+
     def pow(self, x: str, e, ct: str, dtype: torch.dtype) -> str:
         """x ** e (a compile-time exponent) as torch's pow_tensor_scalar kernel computes it.
 
@@ -277,7 +301,9 @@ class _Emitter:
             return special[e]
         is_int = e.is_integer() or math.isinf(e)  # C pow treats +-inf as an even integer: (-2) ** inf == inf
         odd = e.is_integer() and int(e) % 2 == 1
-        return f"pow_scalar({x}, {_float_text(e)}, {is_int}, {odd})"
+        hi, lo = split_exponent(e)
+        split = math.isfinite(e) and ct == "tl.float64"  # fp32 needs no more than exp2/log2 in fp64 (pow_scalar)
+        return f"pow_scalar({x}, {_float_text(e)}, {is_int}, {odd}, {split}, {hi!r}, {lo!r})"
 
     def expression(self, n: Node) -> str:
         """The expression of an "op" or "scalar" node, from the names of its inputs."""

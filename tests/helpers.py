@@ -24,6 +24,17 @@ def assert_same_values(actual: torch.Tensor, expected: torch.Tensor, ulps: int =
                            f"{a[bad][:5].tolist()} expected {e[bad][:5].tolist()}")
 
 
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-identical values, the sign of every zero included (NaN only where NaN; its payload is not compared)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual.dtype, expected.dtype)
+    assert_same_values(actual, expected)
+    zeros = expected == 0
+    sign_a, sign_e = torch.signbit(actual[zeros]), torch.signbit(expected[zeros])
+    bad = torch.nonzero(zeros).flatten()[sign_a != sign_e]
+    assert not bad.numel(), (f"{bad.numel()} zeros have the wrong sign, first at {bad[:5].tolist()}: actual "
+                             f"{actual[bad[:5]].tolist()} expected {expected[bad[:5]].tolist()}")
+
+
 def check_stats(got: dict, x: torch.Tensor, names, prefix: str = "") -> None:
     """Compare recorded statistics with a float64 reference of `x`, with the tolerances of DESIGN.md."""
     expected = dict(zip(names, (v.item() for v in tensor_stats(x, tuple(names)))))
