@@ -168,7 +168,12 @@ class GradHook:
         if isinstance(arg, torch.Tensor):
             if _is_compiling():
                 _fire_compiling(self, arg)
-            elif not self._paused:
+            elif self._paused:
+                pass
+            elif torch.is_grad_enabled() and not (arg.grad is not None and arg.grad.requires_grad):
+                with torch.no_grad():  # a call by hand: as in a backward without create_graph, nothing is recorded
+                    self.fire(arg)
+            else:
                 self.fire(arg)
             return None
         if self.fn is None and callable(arg):

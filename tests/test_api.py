@@ -120,6 +120,19 @@ def test_second_argument_receives_the_parameter(backend):
     assert torch.equal(t.grad, g + t.detach())
 
 
+def test_a_call_by_hand_with_grad_mode_on_reads_the_parameter_as_a_backward_does(backend):
+    """hook(p) outside a backward, grad mode on, p requiring grad: the body's ops on the parameter record nothing
+    (as in a backward without create_graph), so ops that write into an output still work."""
+    hook = fh.grad_hook(lambda grad, param: torch.maximum(grad, param).clamp(min=param * 0.5), backend=backend)
+    t = leaf(9)
+    hook.register(t)
+    t.grad = torch.randn(9)
+    expected = torch.maximum(t.grad, t.detach()).clamp(min=t.detach() * 0.5)
+    assert torch.is_grad_enabled()
+    hook(t)
+    assert torch.equal(t.grad, expected) and not t.grad.requires_grad
+
+
 def test_hook_with_unused_param_argument(backend):
     @fh.grad_hook(backend=backend)
     def neg(grad, param):
