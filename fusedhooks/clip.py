@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd.graph import increment_version
+from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every call
 
 from . import amp, distributed, runtime
 from .api import GradHook
@@ -55,7 +56,6 @@ class _Layout:
 _layouts: weakref.WeakKeyDictionary[GradHook, dict] = weakref.WeakKeyDictionary()
 
 
-@torch.no_grad()
 def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` over the parameters `hook` is registered on, fed by its statistics.
@@ -98,7 +98,25 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     for fp64). The coefficient equals torch's whenever the per-parameter norms do: always for inf (absmax is
     exact), and for 2.0 up to the rounding of the recorded norm (fp32 blocks merged in fp64) to the gradient's
     dtype, within 1e-6 relative of torch's fp32 norm and almost always the same fp16/bf16 value.
+
+    Under torch.compile (a compiled training step) the call is one operator, `torch.ops.fusedhooks.clip_grad_norm_`
+    (fusedhooks/ops.py), whose implementation is the eager call: same results, no graph break.
     """
+    if _is_compiling():
+        from . import ops
+
+        return ops.clip_compiling(hook, max_norm, norm_type, error_if_nonfinite, foreach)
+    return _clip_eager(hook, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+@torch.no_grad()
+def _clip(hook: GradHook, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None,
+          given: list[torch.Tensor] | None = None, bumps: int = 0) -> torch.Tensor:
+    """clip_grad_norm_ itself. `given`: the gradients the fusedhooks::clip_grad_norm_ op was called with, in
+    _collect's order: the live `.grad` tensors, or (aot_autograd functionalizes the op) copies of them, which
+    are then the ones measured and scaled, and copied back into `.grad` by the compiled graph. `bumps`: how many
+    times the op's caller bumped the version of each live gradient before this call without writing it (the
+    dispatcher does so once for an argument a custom op declares mutated)."""
     if not isinstance(hook, GradHook):
         raise TypeError(f"clip_grad_norm_ takes the fusedhooks hook whose statistics give the norms (e.g. "
                         f"fh.grad_hook(stats=('norm',))), not {type(hook).__name__}")
@@ -106,6 +124,17 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     norm_type = float(norm_type)
     slot, transform = _norm_slot(hook, norm_type)
     grads, entries, key = _collect(hook, need_fired=slot is not None)
+    copies = given is not None and _are_copies(given, grads)
+    if copies:
+        # a copy (which the graph may have changed before the call, `.grad` itself being written only after the
+        # graph) is described by the recorded norm of the gradient it holds exactly the values of
+        described = [e.measured is not None and (e.measured.describes(g, bumps) if c is g else
+                                                 e.measured.describes(g) and torch.equal(c, g))
+                     for e, g, c in zip(entries, grads, given)]
+        grads = list(given)
+        key = tuple(0 if i % 4 == 1 else k for i, k in enumerate(key[:-1])) + key[-1:]  # new copies each call
+    else:
+        described = [e.measured is not None and e.measured.describes(g, bumps) for e, g in zip(entries, grads)]
     if not grads:
         return torch.zeros((), device=hook.stats.device or "cpu")
     per_hook = _layouts.setdefault(hook, {})
@@ -119,7 +148,7 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
             values = values.masked_fill(layout.empty_mask, 0.0)
         if transform is not None:
             values = transform(values)
-        values = _refresh(values, layout, grads, entries, norm_type)
+        values = _refresh(values, layout, grads, entries, described, norm_type)
         norms = [values[g.start:g.stop].to(g.dtype) for g in layout.groups]
     elif layout.key[-1]:
         raise ValueError(f"clip_grad_norm_ of sharded (FSDP2) parameters takes norm_type 2.0 or inf (the "
@@ -139,8 +168,7 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
     # with max_norm=inf the coefficient is 1, or NaN when the total norm is not finite: the gradients are then
     # exactly their measured values times it, so a later call needs no re-read
-    exact_coef = max_norm == math.inf
-    described = [e.measured is not None and e.measured.describes(g) for e, g in zip(entries, grads)]
+    exact_coef = max_norm == math.inf and not copies  # a copy's version is not the gradient's
     for g in layout.groups:
         coef = clip_coef_clamped.to(g.device)
         group_grads = [grads[i] for i in g.members]
@@ -151,7 +179,7 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
             else:
                 torch._foreach_mul_(group_grads, coef)
             continue
-        if g.table is None:
+        if g.table is None or copies:
             g.table = _multi_tensor().build_table(group_grads)
         _multi_tensor().scale_(g.table, coef, round_coef=g.round_coef, launch=runtime.launch)
         if not exact_coef:  # written through raw pointers: tell autograd (and later calls), as mul_ would
@@ -165,6 +193,17 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
                                              clip_coef_clamped if entry.measured.coef is None
                                              else entry.measured.coef * clip_coef_clamped)
     return total_norm
+
+
+def _clip_eager(*args) -> torch.Tensor:
+    """`_clip(*args)`, never traced by torch.compile: when dynamo skips the frame calling clip_grad_norm_ (a frame
+    holding no tensor, such as the rest of a compiled step after `loss.backward()` when the model is a global),
+    the call runs eagerly, but dynamo would still compile the frames it calls (this host logic, the launch, the
+    Triton interpreter's own Python). About 0.3 us a call. Replaces itself by `torch.compiler.disable(_clip)` at
+    the first call (which imports torch._dynamo, hence triton: not at `import fusedhooks`)."""
+    global _clip_eager
+    _clip_eager = torch.compiler.disable(_clip)
+    return _clip_eager(*args)
 
 
 def _norm_slot(hook: GradHook, norm_type: float):
@@ -184,7 +223,7 @@ def _norm_slot(hook: GradHook, norm_type: float):
 
 
 def _refresh(values: torch.Tensor, layout: _Layout, grads: list[torch.Tensor], entries: list[Entry],
-             norm_type: float) -> torch.Tensor:
+             described: list[bool], norm_type: float) -> torch.Tensor:
     """The recorded norms (float64, in layout order), made current: a gradient that is not the one the hook
     measured (another tensor object, or changed in place since: a parameter the last backward did not reach
     after zero_grad(set_to_none=False), a gradient edited by hand) has its norm computed from the gradient
@@ -194,7 +233,7 @@ def _refresh(values: torch.Tensor, layout: _Layout, grads: list[torch.Tensor], e
     for g in layout.groups:
         for k, i in enumerate(g.members):
             measured = entries[i].measured
-            if measured is None or not measured.describes(grads[i]):
+            if not described[i]:
                 recompute.append((g.start + k, i))
             elif measured.coef is not None and grads[i].numel():
                 rescale.setdefault(id(measured.coef), (measured.coef, []))[1].append(g.start + k)
@@ -211,6 +250,14 @@ def _refresh(values: torch.Tensor, layout: _Layout, grads: list[torch.Tensor], e
         index = torch.tensor(positions, device=values.device)
         values[index] = values[index] * coef.to(values.device, values.dtype)
     return values
+
+
+def _are_copies(given: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+    if len(given) != len(grads):
+        raise RuntimeError(f"fusedhooks::clip_grad_norm_ was called with {len(given)} gradients, but {len(grads)} "
+                           "parameters registered with the hook have a .grad: a compiled step that sets .grad to "
+                           "or from None before fh.clip_grad_norm_ is not supported")
+    return any(c is not g for c, g in zip(given, grads))
 
 
 def _collect(hook: GradHook, need_fired: bool) -> tuple[list[torch.Tensor], list[Entry], tuple]:

@@ -1,4 +1,4 @@
-"""fusedhooks' firing as a torch operator, for code that torch.compile traces (compiled autograd).
+"""fusedhooks' firing and `clip_grad_norm_` as torch operators, for code that torch.compile traces.
 
 Under `torch.compile`, compiled autograd traces a post-accumulate hook's Python into the backward graph;
 fusedhooks' firing path (registries, weak references, caches, the GradScaler's books) is not something
@@ -13,12 +13,21 @@ Its real implementation runs the ordinary eager firing (`GradHook.fire`, also fo
 `bucket_mb=N`: under compile each gradient is processed at its own firing), so there is one implementation
 of a firing, not two; its fake implementation returns nothing. The compiler sees an opaque call with
 accurate side effects and no graph break. A gradient that requires grad (`create_graph=True`) is fired
-outside the graph instead (`torch.compiler.disable`), so that autograd records the body. This module is
-imported only when a hook fires under compile (importing fusedhooks imports neither it nor triton).
+outside the graph instead (`torch.compiler.disable`), so that autograd records the body.
+
+`fh.clip_grad_norm_(hook, ...)` in a compiled step (a training step under `torch.compile`) is likewise one
+operator, `torch.ops.fusedhooks.clip_grad_norm_`: dynamo traces only the walk over the hook's parameters that
+gathers their `.grad` tensors (declared mutated: they are scaled in place); the hook's statistics buffer is
+read; the real implementation is the eager `clip_grad_norm_` (so the Triton interpreter or the Triton launch is
+never traced), the fake one returns a 0-dim tensor of the total norm's dtype and device.
+
+This module is imported only when a hook fires, or clip_grad_norm_ runs, under compile (importing fusedhooks
+imports neither it nor triton).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,3 +97,76 @@ def outside_graph(fn, *args) -> None:
     """`fn(*args)` run eagerly, outside the graph torch.compile is tracing (a graph break): for Python state of the
     training loop read at each backward (the gates of `register(..., accumulation_steps=, when=)`)."""
     _call_outside_graph(fn, *args)
+
+
+@torch.library.custom_op("fusedhooks::clip_grad_norm_", mutates_args=("grads",))
+def clip_grad_norm(grads: list[torch.Tensor], stats: torch.Tensor | None, hook_key: int, max_norm: float,
+                   norm_type: float, error_if_nonfinite: bool, foreach: bool | None,
+                   max_norm_tensor: torch.Tensor | None) -> torch.Tensor:
+    """`fh.clip_grad_norm_(api.HOOKS[hook_key], ...)` scaling `grads`: the gradients of the hook's parameters
+    that are not None, in registration order, as `.grad` holds them or (aot_autograd functionalizes the op)
+    copies of them. `stats` is the hook's statistics buffer when norm_type is 2.0 or inf (the norms are read
+    from it), else None. `max_norm_tensor`: a max_norm given as a tensor (read with float() here, as eager
+    does), else None and `max_norm` is it."""
+    from .api import HOOKS
+    from .clip import _clip
+
+    hook = HOOKS.get(hook_key)
+    if hook is None:
+        raise RuntimeError("fusedhooks::clip_grad_norm_: the hook it was traced with no longer exists")
+    # called through the op's ADInplaceOrView kernel (not excluded), which bumped the version of every gradient
+    # before this call: a gradient the hook measured is still described by its measurement
+    bumps = 0 if torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.ADInplaceOrView) else 1
+    if max_norm_tensor is not None:
+        max_norm = max_norm_tensor
+    return _clip(hook, max_norm, norm_type, error_if_nonfinite, foreach, given=grads, bumps=bumps)
+
+
+@clip_grad_norm.register_fake
+def _(grads, stats, hook_key, max_norm, norm_type, error_if_nonfinite, foreach, max_norm_tensor):
+    # the eager total norm: the norms vector's vector_norm, in the gradients' promoted dtype, on the statistics'
+    # device (norms recorded by the hook) or the first gradient's (norms computed from the gradients)
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+    return torch.empty((), dtype=dtype, device=grads[0].device if stats is None else stats.device)
+
+
+def _clip_call(*args) -> torch.Tensor:
+    from .clip import _clip
+
+    return _clip(*args)
+
+
+_clip_outside_graph = torch.compiler.disable(_clip_call)
+
+
+def clip_compiling(hook: GradHook, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
+    """What `fh.clip_grad_norm_` does while torch.compile traces it: one call of fusedhooks::clip_grad_norm_ on
+    the gradients it would clip. Outside the graph instead (graph breaks, the eager call): a sharded (FSDP2)
+    gradient, a norm_type that is not a Python number, and anything but a hook (eager's TypeError)."""
+    from .api import GradHook
+    from .clip import _SOURCES
+    from .distributed import is_dtensor
+
+    max_norm_tensor = max_norm if isinstance(max_norm, torch.Tensor) else None
+    if not (isinstance(hook, GradHook) and isinstance(norm_type, (int, float))
+            and (max_norm_tensor is not None or isinstance(max_norm, (int, float)))):
+        return _clip_outside_graph(hook, max_norm, norm_type, error_if_nonfinite, foreach)
+    grads = []
+    for entry in hook.registry:
+        p = entry.tensor
+        if p is None:
+            continue
+        g = p.grad
+        if g is None:
+            continue
+        if is_dtensor(g):
+            return _clip_outside_graph(hook, max_norm, norm_type, error_if_nonfinite, foreach)
+        grads.append(g)
+    norm_type = float(norm_type)
+    if not grads:  # as eager: a float32 zero, nothing scaled
+        return torch.zeros((), device=hook.stats.device or "cpu")
+    stats = hook.stats._buffer if norm_type in _SOURCES else None
+    with torch.no_grad():
+        return torch.ops.fusedhooks.clip_grad_norm_(grads, stats, hook._op_key,
+                                                    0.0 if max_norm_tensor is not None else float(max_norm),
+                                                    norm_type, bool(error_if_nonfinite), foreach, max_norm_tensor)

@@ -22,8 +22,9 @@ class Measurement:
     version: int
     coef: torch.Tensor | None = None
 
-    def describes(self, grad: torch.Tensor) -> bool:
-        return self.grad() is grad and self.version == grad._version
+    def describes(self, grad: torch.Tensor, bumps: int = 0) -> bool:
+        """Is `grad` the measured gradient, unchanged since (but for `bumps` version bumps known to write nothing)?"""
+        return self.grad() is grad and self.version + bumps == grad._version
 
 
 @dataclass(eq=False)

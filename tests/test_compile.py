@@ -333,3 +333,187 @@ def test_accumulation_steps_under_compiled_autograd_equal_eager():
     assert sorted(stats_c) == sorted(stats)
     for name in stats:
         assert stats_c[name] == pytest.approx(stats[name], rel=1e-6)
+
+
+def clip_training(backend, compile_backend, clip="fusedhooks", steps=4, norm_type=2.0, max_norm=1.0):
+    """`steps` SGD steps of a step that clips with fh.clip_grad_norm_ (or torch's, clip="torch") after backward; at
+    odd steps the user first multiplies every gradient by 3 (the recorded norms no longer describe them: they
+    are measured again). Compiled when compile_backend is not None. Returns the total norms, the parameters and
+    the graph breaks counted."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model()
+    hook = fh.grad_hook(lambda g: g * 0.5, stats=("norm", "absmax"), backend=backend)
+    hook.register(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, modify):
+        model(x).square().sum().backward()
+        if modify:
+            for p in model.parameters():
+                p.grad.mul_(3.0)
+        if clip == "torch":
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        else:
+            total = fh.clip_grad_norm_(hook, max_norm, norm_type)
+        opt.step()
+        opt.zero_grad()
+        return total
+
+    f = step if compile_backend is None else torch.compile(step, backend=compile_backend)
+    totals = [f(x, i % 2 == 1) for i, x in enumerate(batches(steps))]
+    return totals, [p.detach().clone() for p in model.parameters()], graph_breaks()
+
+
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
+def test_clip_grad_norm_in_compiled_step_matches_eager(fh_backend, compile_backend):
+    """fh.clip_grad_norm_ in a compiled step is one fusedhooks::clip_grad_norm_ op (its implementation the eager
+    call): the same total norms and parameters as the step run eagerly, gradients changed by hand after backward
+    measured again (under aot_eager the op clips copies of the gradients, copied back after it), and no graph
+    break but those of the same step with torch's clip_grad_norm_ (backward, the optimizer's)."""
+    expected_totals, expected_params, _ = clip_training(fh_backend, None)
+    totals, params, breaks = clip_training(fh_backend, compile_backend)
+    if fh_backend == "triton" and compile_backend == "aot_eager":
+        # aot_eager runs the hooks' fusedhooks::fire on copies of the gradients: the recorded norms describe the
+        # copies, so clip_grad_norm_ reads the norms from the gradients (torch's norm, not the kernel's: they
+        # may differ in the last bit, see clip_grad_norm_'s "Rounding")
+        torch.testing.assert_close(totals, expected_totals, rtol=1e-6, atol=0)
+        torch.testing.assert_close(params, expected_params, rtol=1e-6, atol=0)
+    else:
+        assert all(torch.equal(t, e) for t, e in zip(totals, expected_totals)), (totals, expected_totals)
+        assert all(torch.equal(p, e) for p, e in zip(params, expected_params))
+    _, _, torch_breaks = clip_training(fh_backend, compile_backend, clip="torch")
+    assert breaks == torch_breaks
+    assert expected_totals[1] > 1.0  # it clipped
+
+
+@pytest.mark.parametrize("norm_type, max_norm", [(float("inf"), 1.0), (1.0, 1.0), (2.0, float("inf"))])
+def test_clip_grad_norm_in_compiled_step_other_norms(norm_type, max_norm):
+    """inf (recorded absmax), 1.0 (norms read from the gradients), and max_norm=inf (no write; the recorded norms
+    kept as the gradients' description): as eager, under aot_eager's copies too."""
+    expected_totals, expected_params, _ = clip_training("triton", None, norm_type=norm_type, max_norm=max_norm)
+    totals, params, _ = clip_training("triton", "aot_eager", norm_type=norm_type, max_norm=max_norm)
+    assert all(torch.equal(t, e) for t, e in zip(totals, expected_totals)), (totals, expected_totals)
+    assert all(torch.equal(p, e) for p, e in zip(params, expected_params))
+
+
+def test_compiled_clip_grad_norm_is_one_op():
+    """Compiled alone, fh.clip_grad_norm_ is one graph holding one fusedhooks::clip_grad_norm_ call on the four
+    gradients, and no graph break (as torch's clip_grad_norm_); the result is the eager call's."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def clipped(compiled):
+        torch._dynamo.reset()
+        counters.clear()
+        model, hook = make_model(), make_hook("triton")
+        hook.register(model)
+        model(batches(1)[0]).square().sum().backward()
+        clip = (lambda: fh.clip_grad_norm_(hook, 1e-3))
+        total = torch.compile(clip, backend=backend)() if compiled else clip()
+        return total, [p.grad.clone() for p in model.parameters()]
+
+    total, grads = clipped(True)
+    assert graph_breaks() == 0
+    ops = (torch.ops.fusedhooks.clip_grad_norm_, torch.ops.fusedhooks.clip_grad_norm_.default)
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.target in ops]
+    assert len(graphs) == 1 and len(calls) == 1 and len(calls[0].args[0]) == 4
+    schema = torch.ops.fusedhooks.clip_grad_norm_.default._schema
+    assert {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write} == {"grads"}
+    expected_total, expected_grads = clipped(False)
+    assert torch.equal(total, expected_total)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+
+
+def test_compiled_clip_grad_norm_with_a_tensor_max_norm():
+    """A max_norm that is a tensor is an input of the op (read with float() when it runs, as eager reads it): no
+    graph break, the eager result; anything but a hook is refused as in eager."""
+    def run(compiled):
+        torch._dynamo.reset()
+        counters.clear()
+        model, hook = make_model(), make_hook("eager")
+        hook.register(model)
+        model(batches(1)[0]).square().sum().backward()
+        clip = (lambda m: fh.clip_grad_norm_(hook, m))
+        total = (torch.compile(clip, backend="eager") if compiled else clip)(torch.tensor(1e-3))
+        return total, [p.grad for p in model.parameters()], graph_breaks()
+
+    total, grads, breaks = run(True)
+    expected_total, expected_grads, _ = run(False)
+    assert breaks == 0
+    assert torch.equal(total, expected_total)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+    with pytest.raises(TypeError, match="fusedhooks hook"):
+        torch.compile(lambda: fh.clip_grad_norm_(torch.nn.Linear(2, 2), 1.0), backend="eager")()
+
+
+_STEP_STATE = {}  # a step reading its model and hook from a global: dynamo skips the frame after backward()
+
+
+def _global_step(x):
+    _STEP_STATE["model"](x).square().sum().backward()
+    return fh.clip_grad_norm_(_STEP_STATE["hook"], 1e-3)
+
+
+def test_compiled_step_whose_rest_dynamo_skips_runs_clip_grad_norm_eagerly():
+    """After `loss.backward()` the rest of this step holds no tensor (its model and hook are globals), so dynamo
+    skips that frame and fh.clip_grad_norm_ runs eagerly, still called while torch.compile is active: it must
+    not let dynamo compile its host logic or the launch on its own (under the interpreter, dynamo traced into
+    Triton's interpreter and failed). Same result as eager, with the Triton backend."""
+    def run(compiled):
+        torch._dynamo.reset()
+        _STEP_STATE["model"], _STEP_STATE["hook"] = make_model(), make_hook("triton")
+        _STEP_STATE["hook"].register(_STEP_STATE["model"])
+        total = (torch.compile(_global_step, backend="eager") if compiled else _global_step)(batches(1)[0])
+        return total, [p.grad for p in _STEP_STATE.pop("model").parameters()]
+
+    try:
+        total, grads = run(True)
+        expected_total, expected_grads = run(False)
+    finally:
+        _STEP_STATE.clear()
+    assert torch.equal(total, expected_total)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_clip_grad_norm_in_compiled_step_cuda():
+    """On CUDA, a step compiled by inductor with fh.clip_grad_norm_ in it: the op launches the multi-tensor scale
+    kernel; the same total norms and parameters as eager within fp32 tolerance (inductor's forward may round
+    differently), and the graph breaks of the same step with torch's clip_grad_norm_."""
+    def run(compiled, clip):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).cuda()
+        hook = fh.grad_hook(lambda g: g * 0.5, stats=("norm",))
+        hook.register(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, modify):
+            model(x).square().sum().backward()
+            if modify:
+                for p in model.parameters():
+                    p.grad.mul_(3.0)
+            total = (fh.clip_grad_norm_(hook, 1.0) if clip == "fusedhooks"
+                     else torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            opt.step()
+            opt.zero_grad()
+            return total
+
+        f = torch.compile(step) if compiled else step
+        gen = torch.Generator("cuda").manual_seed(1)
+        totals = [f(torch.randn(32, 64, device="cuda", generator=gen), i % 2 == 1) for i in range(2)]
+        torch.cuda.synchronize()
+        return totals, [p.detach().clone() for p in model.parameters()], graph_breaks()
+
+    expected_totals, expected_params, _ = run(False, "fusedhooks")
+    totals, params, breaks = run(True, "fusedhooks")
+    _, _, torch_breaks = run(True, "torch")
+    torch.testing.assert_close(totals, expected_totals)
+    torch.testing.assert_close(params, expected_params)
+    assert breaks == torch_breaks
