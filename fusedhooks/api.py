@@ -228,12 +228,12 @@ class GradHook:
         if entry.checked_shape != grad.shape:
             self._check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
-        stats_row = self.stats.row(entry.row) if compiled.plan.slots else None
+        buffer, stats_row = self.stats.writable_row(entry.row) if compiled.plan.slots else (None, None)
         amp = self.amp_tensors(grad.device) if compiled.plan.amp else None
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
                      self._workspace_for(grad), amp)
-        if stats_row is not None:
-            self.stats.settle(stats_row, entry.row)
+        if buffer is not None:
+            self.stats.settle(buffer, entry.row)
         entry.record(grad)
         key = (grad.dtype, grad.shape) if self.reduces_over_dims else grad.dtype  # (a plan per shape)
         if compiled.plan.backend == "eager" and key not in self._eager_firings and not grad.requires_grad:
@@ -255,11 +255,11 @@ class GradHook:
 
         def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
             stats.begin_firing(backward_key)
-            stats_row = stats.row(entry.row) if plan.slots else None
+            buffer, stats_row = stats.writable_row(entry.row) if plan.slots else (None, None)
             amp = self.amp_tensors(grad.device) if plan.amp else None
             eager.run(plan, body, grad, param, scalars, stats_row, amp, self._workspace_for(grad).scratch)
-            if stats_row is not None:
-                stats.settle(stats_row, entry.row)
+            if buffer is not None:
+                stats.settle(buffer, entry.row)
             entry.record(grad)
         return firing
 

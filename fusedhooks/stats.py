@@ -52,10 +52,14 @@ class HookStats:
         self.names: list[str] = []
         self._written: list[int] = []  # per row: the number of the backward that wrote it, 0 for never
         self._backwards = Backwards()  # numbers the backwards in which the hook fires
-        self._buffer: torch.Tensor | None = None
-        self._rows: dict[int, torch.Tensor] = {}
+        #: (the buffer, its row views by index), replaced as one when a registration grows the buffer
+        self._state: tuple[torch.Tensor | None, dict[int, torch.Tensor]] = (None, {})
         self._lock = threading.Lock()  # buffer growth (a registration) against firings in other threads
         self._growing = False
+
+    @property
+    def _buffer(self) -> torch.Tensor | None:
+        return self._state[0]
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -80,8 +84,7 @@ class HookStats:
         with self._lock:  # a firing in another thread may be writing a row of the buffer now: see settle()
             self._growing = True
             try:
-                self._buffer = row if self._buffer is None else torch.cat([self._buffer, row])
-                self._rows = {}
+                self._state = (row if self._buffer is None else torch.cat([self._buffer, row]), {})
             finally:
                 self._growing = False
             self.names.append(name)
@@ -102,24 +105,27 @@ class HookStats:
         return self._written[index] > 0
 
     def row(self, index: int) -> torch.Tensor:
-        """Row `index` of the buffer, marked as written by the current backward (a view, cached; the kernel
-        writes into it)."""
-        self._written[index] = self._backwards.number
-        row = self._rows.get(index)
-        if row is None:
-            with self._lock:
-                row = self._rows[index] = self._buffer[index]
-        return row
+        """Row `index` of the buffer, marked as written by the current backward (a view, cached)."""
+        return self.writable_row(index)[1]
 
-    def settle(self, written: torch.Tensor, rows: int | list[int]) -> None:
-        """Rows `rows` were just written into `written` (the buffer, `tensor`, or a view of it from `row()`): if
-        another thread's registration replaced the buffer meanwhile (add_row copies it as it is then), copy them
-        into the new one."""
-        if self._growing or (written._base if written._base is not None else written) is not self._buffer:
+    def writable_row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the buffer, its row `index`) for a kernel to write into, the row marked as written by the current
+        backward; once written, `settle(buffer, index)`."""
+        self._written[index] = self._backwards.number
+        buffer, views = self._state
+        row = views.get(index)
+        if row is None:
+            row = views[index] = buffer[index]
+        return buffer, row
+
+    def settle(self, buffer: torch.Tensor, rows: int | list[int]) -> None:
+        """Rows `rows` of `buffer` (from `writable_row` or `tensor`) were just written: if another thread's
+        registration replaced the buffer meanwhile (add_row copies it as it is then), copy them into the new one."""
+        if self._growing or buffer is not self._state[0]:
             with self._lock:
-                base = written._base if written._base is not None else written
-                if base is not self._buffer:
-                    self._buffer[rows] = base[rows]
+                current = self._state[0]
+                if buffer is not current:
+                    current[rows] = buffer[rows]
 
     def mark_written(self, indices: list[int]) -> None:
         """Rows `indices` are written by the current backward (a bucket's kernels write them through its table)."""
