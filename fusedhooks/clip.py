@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -260,18 +261,20 @@ def _are_copies(given: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
     return any(c is not g for c, g in zip(given, grads))
 
 
+def grads_of(hook: GradHook) -> Iterator[tuple[Entry, torch.Tensor]]:
+    """(entry, `.grad`) of each tensor registered with `hook` whose `.grad` is not None, in registration order."""
+    for entry in hook.registry:
+        p = entry.tensor
+        if p is not None and (g := p.grad) is not None:
+            yield entry, g
+
+
 def _collect(hook: GradHook, need_fired: bool) -> tuple[list[torch.Tensor], list[Entry], tuple]:
     """The gradients that count (registration order; of a sharded parameter, this rank's shard), their
     entries, and the key telling whether a cached layout still fits (its last item: the positions of sharded
     gradients)."""
     grads, entries, key, sharded = [], [], [], []
-    for entry in hook.registry:
-        p = entry.tensor
-        if p is None:
-            continue
-        g = p.grad
-        if g is None:
-            continue
+    for entry, g in grads_of(hook):
         if need_fired and not hook.stats.fired(entry.row):
             raise ValueError(f"{entry.name} has a .grad but {hook.__name__} has not fired on it (since it was "
                              "registered, or since stats.reset()), so its norm is unknown; run backward with the "

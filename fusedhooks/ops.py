@@ -144,7 +144,7 @@ def clip_compiling(hook: GradHook, max_norm, norm_type, error_if_nonfinite, fore
     the gradients it would clip. Outside the graph instead (graph breaks, the eager call): a sharded (FSDP2)
     gradient, a norm_type that is not a Python number, and anything but a hook (eager's TypeError)."""
     from .api import GradHook
-    from .clip import _SOURCES
+    from .clip import _SOURCES, grads_of
     from .distributed import is_dtensor
 
     max_norm_tensor = max_norm if isinstance(max_norm, torch.Tensor) else None
@@ -152,13 +152,7 @@ def clip_compiling(hook: GradHook, max_norm, norm_type, error_if_nonfinite, fore
             and (max_norm_tensor is not None or isinstance(max_norm, (int, float)))):
         return _clip_outside_graph(hook, max_norm, norm_type, error_if_nonfinite, foreach)
     grads = []
-    for entry in hook.registry:
-        p = entry.tensor
-        if p is None:
-            continue
-        g = p.grad
-        if g is None:
-            continue
+    for _, g in grads_of(hook):
         if is_dtensor(g):
             return _clip_outside_graph(hook, max_norm, norm_type, error_if_nonfinite, foreach)
         grads.append(g)
