@@ -551,7 +551,7 @@ class GradHook:
                 entry.bucket_bytes = bucket_bytes
                 fire = self._buckets.torch_hook(entry) if bucket_bytes else self._at_firing(entry)
                 if handle.when is not None:
-                    fire = gates.gated(fire, handle.when)
+                    fire = gates.gated(fire, handle.when, lambda: self._paused)
                 torch_handle = t.register_post_accumulate_grad_hook(fire)
                 entry.torch_hook_id = torch_handle.id
                 handle._add(t, torch_handle, self.registry)

@@ -96,11 +96,13 @@ def parse(accumulation_steps, when):
     return gate if gate.steps > 1 else None
 
 
-def gated(fire, when):
+def gated(fire, when, paused=None):
     """The torch hook that calls `fire(param)` only when `when()` is true; while torch.compile traces it, both
-    run outside the graph (a graph break: `when` is Python state of the training loop, read at each backward)."""
+    run outside the graph (a graph break: `when` is Python state of the training loop, read at each backward).
+    While `paused()` (the hook's `paused()` block) `when` is not called: a paused backward is no micro-batch of
+    `accumulation_steps=`, as the hook does not fire in it."""
     def run(param: torch.Tensor) -> None:
-        if when():
+        if (paused is None or not paused()) and when():
             fire(param)
 
     def hook(param: torch.Tensor) -> None:

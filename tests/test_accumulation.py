@@ -146,3 +146,26 @@ def test_accumulation_follows_the_handle_until_removed():
     handle.remove()
     model(_batches(1)[0]).sum().backward()
     assert hook.stats.read() == {}
+
+
+def test_a_paused_backward_is_no_micro_batch():
+    """A backward inside hook.paused() (an extra gradient computed between micro-batches) does not count towards
+    accumulation_steps=: the hook still processes the last micro-batch of every n, as an eager hook paused the
+    same way would."""
+    model = _model()
+    hook = _clip_hook("reference")
+    handle = hook.register(model, accumulation_steps=2)
+    with hook.paused():
+        model(_batches(1)[0]).sum().backward()
+    model.zero_grad()
+    assert handle.when.backwards == 0 and hook.stats.read() == {}
+    batches = _batches(2)
+    model(batches[0]).pow(2).sum().backward()
+    assert hook.stats.read() == {}  # the first micro-batch: nothing processed
+    model(batches[1]).pow(2).sum().backward()
+    assert handle.when.backwards == 2 and sorted(hook.stats.read()) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    expected = _model()
+    for x in batches:
+        expected(x).pow(2).sum().backward()
+    for p, q in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(p.grad, q.grad.clamp(-0.5, 0.5) * 0.5, rtol=1e-6, atol=1e-7)
