@@ -29,13 +29,14 @@ def _model():
     return GPT2LMHeadModel(config)
 
 
-def _train(tmp_path, max_grad_norm, accumulation, callbacks=(), samples=20, epochs=1, max_steps=5, log_every=1):
+def _train(tmp_path, max_grad_norm, accumulation, callbacks=(), samples=20, epochs=1, max_steps=5, log_every=1,
+           **extra):
     model = _model()
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=max_steps,
                              num_train_epochs=epochs, gradient_accumulation_steps=accumulation, learning_rate=1.0,
                              optim="sgd", lr_scheduler_type="constant", max_grad_norm=max_grad_norm,
                              logging_steps=log_every, report_to=[], save_strategy="no", use_cpu=True, seed=0,
-                             data_seed=0, disable_tqdm=True, dataloader_num_workers=0)
+                             data_seed=0, disable_tqdm=True, dataloader_num_workers=0, **extra)
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(samples), callbacks=list(callbacks))
     trainer.train()
     return trainer, model
@@ -204,3 +205,36 @@ def test_a_failed_train_is_followed_by_a_clean_registration(tmp_path):
     trainer, model = _train(tmp_path / "b", 0.0, 1, [callback], max_steps=2)
     logged = [e for e in trainer.state.log_history if "grad/transformer.wte.weight/norm" in e]
     assert len(logged) == 2 and callback._handle is None and len(hook.registry) == 0
+
+
+def test_fp16_with_a_grad_scaler_is_refused(tmp_path):
+    """TrainingArguments(fp16=True) on a GPU: accelerate scales the loss with a GradScaler and Trainer unscales the
+    gradients only after backward, so the hook would clamp and measure scaled gradients. On CPU accelerate creates
+    no scaler (fp16 runs as is, and the results equal Trainer's own); the GPU's is given to the CPU accelerator
+    here, as accelerate gives it there."""
+    callback = FusedHooksCallback(fh.grad_hook(lambda grad: grad.clamp(-0.01, 0.01), stats=("norm",)),
+                                  max_grad_norm=1.0)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, max_grad_norm=0.0,
+                             fp16=True, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=_model(), args=args, train_dataset=TokenDataset(4), callbacks=[callback])
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    trainer.accelerator.native_amp = True
+    with pytest.raises(ValueError, match="fp16 mixed precision with a GradScaler"):
+        trainer.train()
+    assert len(callback.hook.registry) == 0
+    # no scaler (CPU): fp16 is served, with Trainer's own results
+    _, reference = _train(tmp_path / "ref", 1.0, 1, max_steps=2, fp16=True)
+    callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)
+    _, model = _train(tmp_path / "fh", 0.0, 1, [callback], max_steps=2, fp16=True)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+
+
+def test_deepspeed_is_refused(tmp_path):
+    """DeepSpeed keeps, scales and clips the gradients itself (not installed here: its TrainingArguments field)."""
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    args.deepspeed = {"zero_optimization": {"stage": 2}}
+    callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)))
+    with pytest.raises(ValueError, match="does not support DeepSpeed"):
+        callback.on_train_begin(args, None, None, model=_model())
+    assert len(callback.hook.registry) == 0

@@ -7,6 +7,7 @@ Needs `transformers` and `accelerate` (`pip install fusedhooks[transformers]`).
 from __future__ import annotations
 
 from accelerate.state import GradientState
+from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
 from transformers import TrainerCallback
 
 from .common import StepCallbackBase
@@ -36,6 +37,10 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
       this callback first: `trainer.callback_handler.callbacks.insert(0, callback)`.
     Reading the statistics costs one device sync per log, none otherwise.
 
+    Precision: fp32, `bf16=True`, and `fp16=True` where accelerate creates no GradScaler (CPU). `fp16=True` with a
+    GradScaler (on a GPU) is refused, since Trainer unscales the gradients only after backward and the hook would
+    see scaled gradients; so is DeepSpeed, which keeps, scales and clips the gradients itself.
+
     Single process only; under DDP the hook would see each rank's local gradient (fusedhooks warns).
     """
 
@@ -51,11 +56,20 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
         """Does the running micro-batch complete an accumulation step? (called at each firing)"""
         return self._gradient_state.sync_gradients
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.max_grad_norm is not None and args.max_grad_norm and args.max_grad_norm > 0:
             raise ValueError(f"FusedHooksCallback(max_grad_norm={self.max_grad_norm}) clips the gradients, and "
                              f"TrainingArguments(max_grad_norm={args.max_grad_norm}) would clip them again: set "
                              "TrainingArguments(max_grad_norm=0)")
+        if getattr(args, "deepspeed", None) or isinstance(optimizer, DeepSpeedOptimizerWrapper):
+            raise ValueError("FusedHooksCallback does not support DeepSpeed: it accumulates, scales and clips the "
+                             "gradients itself, outside the parameters' .grad, so the hook would not see the "
+                             "gradients the optimizer steps with")
+        if getattr(optimizer, "scaler", None) is not None:
+            raise ValueError("FusedHooksCallback does not support fp16 mixed precision with a GradScaler "
+                             "(TrainingArguments(fp16=True) on a GPU): Trainer unscales the gradients only after "
+                             "backward, so the hook would process and measure scaled gradients; use bf16=True (no "
+                             "scaler), fp32, or a hook with scaler= in a plain loop")
         self.remove()  # a train() that raised left its registration (Trainer calls no callback then)
         self._gradient_state = GradientState()
         self._handle = self.hook.register(model, when=self._steps)
