@@ -171,6 +171,36 @@ def test_parameters_outside_the_optimizer_are_warned(tmp_path):
         trainer.fit(WithUnoptimizedParameter(), _loader(1))
 
 
+class TwoOptimizers(Regression):
+    """Manual optimization, one optimizer per layer (a GAN's generator and discriminator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for opt in self.optimizers():
+            opt.zero_grad()
+            self.manual_backward(torch.nn.functional.mse_loss(self.net(x), y))
+            opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net[0].parameters(), lr=0.5), torch.optim.SGD(self.net[2].parameters(), lr=0.5)
+
+
+def test_manual_optimization_with_several_optimizers_refuses_max_grad_norm(tmp_path):
+    """Each opt.step() would clip every registered gradient by their global norm, the other optimizer's included
+    (Lightning refuses gradient_clip_val with manual optimization); without max_grad_norm the hook runs."""
+    hook = fh.grad_hook(stats=("norm",))
+    with pytest.raises(ValueError, match="manual optimization and 2 optimizers"):
+        _fit(tmp_path, [FusedHooksCallback(hook, max_grad_norm=1.0)], batches=2, module=TwoOptimizers())
+    assert len(hook.registry) == 0
+    firings = record_processing(hook)
+    _fit(tmp_path, [FusedHooksCallback(hook)], batches=2, module=TwoOptimizers())
+    assert len(firings) == 2 * 2 * 4  # every backward (2 per batch), every parameter
+
+
 def test_refusals(tmp_path):
     with pytest.raises(ValueError, match='"norm" among its stats'):
         FusedHooksCallback(fh.grad_hook(stats=("max",)), max_grad_norm=1.0)

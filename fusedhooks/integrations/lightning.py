@@ -22,7 +22,9 @@ class FusedHooksCallback(StepCallbackBase, Callback):
     - Gradient accumulation (`Trainer(accumulate_grad_batches=n)`): the hook runs only in the backward of the batch
       after which Lightning steps the optimizer (Lightning's own rule: every n-th batch and the epoch's last one),
       so clipping and statistics see the accumulated gradient once. With manual optimization
-      (`automatic_optimization = False`) it runs at every backward: pause it yourself (`hook.paused()`).
+      (`automatic_optimization = False`) it runs at every backward: pause it yourself (`hook.paused()`); there
+      `max_grad_norm` clips before each `opt.step()`, and is refused with several optimizers (one global norm over
+      every registered gradient would clip the other optimizers' gradients too).
     - `max_grad_norm`: clips every gradient by their global norm with `fh.clip_grad_norm_` (from the norms the
       hook recorded: the hook must record `"norm"`) in `on_before_optimizer_step`, just before the point where
       Lightning clips for `gradient_clip_val`; the result equals `Trainer(gradient_clip_val=max_grad_norm)`
@@ -59,7 +61,15 @@ class FusedHooksCallback(StepCallbackBase, Callback):
             raise ValueError(f"FusedHooksCallback does not support strategy {type(trainer.strategy).__name__}: it "
                              "accumulates gradients itself, outside Lightning's loop, so the callback cannot tell "
                              "which backward completes an optimizer step")
-        if self.max_grad_norm is not None and pl_module.automatic_optimization:
+        if self.max_grad_norm is not None:
+            if not pl_module.automatic_optimization and len(trainer.optimizers) > 1:
+                raise ValueError(f"FusedHooksCallback(max_grad_norm={self.max_grad_norm}) clips every gradient the "
+                                 "hook is registered on by one global norm, at each optimizer step: with manual "
+                                 f"optimization and {len(trainer.optimizers)} optimizers, each opt.step() would "
+                                 "clip the other optimizers' gradients too, and by their norm (Lightning refuses "
+                                 "gradient_clip_val with manual optimization): leave max_grad_norm unset and clip "
+                                 "in training_step before each opt.step(), e.g. self.clip_gradients(opt, "
+                                 "gradient_clip_val=..., gradient_clip_algorithm='norm')")
             _warn_unoptimized(trainer, pl_module)
         if self._handle is None:
             epoch_loop = trainer.fit_loop.epoch_loop
