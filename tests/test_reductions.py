@@ -151,3 +151,18 @@ def test_repeated_launches_reuse_the_workspace(backend, monkeypatch):
 def test_unsupported_reductions_are_refused(body, message):
     with pytest.raises(fh.CompileError, match=message):
         fh.grad_hook(body)
+
+
+@pytest.mark.parametrize("body", [
+    lambda g: g / (torch.norm(g) + 1e-6),
+    lambda g: g / (torch.norm(g, 1) + 1),
+    lambda g: g / torch.norm(g, p=float("inf")),
+    lambda g: g / (torch.norm(g, dim=1, keepdim=True) + 1e-6),
+], ids=["fro", "p1", "pinf", "dim1"])
+def test_torch_norm_function_form_compiles(body, backend):
+    """torch.norm(g) (a Python function of torch/functional.py) hands its out=None and dtype=None on to the traced
+    tensor: they were refused as unexpected keywords, while g.norm() compiled."""
+    grad = torch.randn(6, 7, generator=torch.Generator().manual_seed(0))
+    expected = eager_expected(body, grad, grad)
+    fire(fh.grad_hook(body, backend=backend), grad)
+    assert_close_to(grad, expected, REDUCTION_RTOL[torch.float32])
