@@ -191,7 +191,7 @@ def tensor_stats(x: torch.Tensor, names: tuple[str, ...], scratch) -> list[float
     if want - {"count", "zeros"}:
         lo, hi = (v.item() for v in torch.aminmax(flat))
         out["min"], out["max"] = lo, hi
-        out["absmax"] = absmax = max(-lo, hi) if not (math.isnan(lo) or math.isnan(hi)) else math.nan
+        out["absmax"] = absmax = max(abs(lo), abs(hi)) if not (math.isnan(lo) or math.isnan(hi)) else math.nan
         finite = math.isfinite(lo) and math.isfinite(hi)
         out["nan"] = 0.0 if finite else float(torch.isnan(flat).sum().item())
         out["inf"] = 0.0 if finite else float(torch.isinf(flat).sum().item())

@@ -343,6 +343,8 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
                 root_of[fxn.name] = fxn.name
                 continue
             kwargs = dict(fxn.kwargs)
+            if op == "norm":  # torch.norm (torch/functional.py) forwards its out=None, dtype=None to a traced tensor
+                kwargs = {k: v for k, v in kwargs.items() if not (k in ("out", "dtype") and v is None)}
             if op in ("var", "std") and len(raw) > 1 and isinstance(raw[1], bool):  # var(unbiased), not var(dim)
                 kwargs["unbiased"] = raw.pop(1)
             pair = op in ("max", "min") and ("dim" in kwargs or (len(raw) > 1 and is_number(raw[1])))

@@ -6,7 +6,7 @@ from test_codegen import count_launches
 
 import fusedhooks as fh
 
-from helpers import FLOAT_DTYPES, REDUCTION_RTOL, assert_close_to, assert_same_values
+from helpers import FLOAT_DTYPES, REDUCTION_RTOL, assert_close_to, assert_same_bits, assert_same_values
 from test_ops import eager_expected, fire, special_values
 
 
@@ -151,3 +151,85 @@ def test_repeated_launches_reuse_the_workspace(backend, monkeypatch):
 def test_unsupported_reductions_are_refused(body, message):
     with pytest.raises(fh.CompileError, match=message):
         fh.grad_hook(body)
+
+
+def centre(grad, reduce=torch.mean):
+    return grad - reduce(grad)
+
+
+def replace_by_std(grad, reduce=torch.std):
+    return grad * 0 + reduce(grad)
+
+
+def replace_by_norm(grad, reduce=torch.norm):
+    return grad * 0 + reduce(grad)
+
+
+def exactly(reduction):
+    """`reduction` of the float64 values, rounded once to the input's dtype (what the kernels compute)."""
+    return lambda x: reduction(x.double()).to(x.dtype)
+
+
+def near_max(fi):
+    return [fi.max] * 200 + [fi.max / 2] * 3
+
+
+def alternating_huge(fi):
+    return [fi.max * (0.5 + i / 600) * (-1) ** i for i in range(300)]
+
+
+def subnormals(fi):
+    return [fi.smallest_normal / 8] * 150
+
+
+@pytest.mark.parametrize("fn, reduction, values, dtype", [
+    pytest.param(centre, torch.mean, near_max, torch.float32, id="centre_near_max-float32"),
+    pytest.param(centre, torch.mean, near_max, torch.bfloat16, id="centre_near_max-bfloat16"),
+    pytest.param(replace_by_std, torch.std, alternating_huge, torch.float32, id="std_of_huge-float32"),
+    pytest.param(replace_by_norm, torch.norm, subnormals, torch.float32, id="norm_of_subnormals-float32"),
+    pytest.param(replace_by_norm, torch.norm, subnormals, torch.bfloat16, id="norm_of_subnormals-bfloat16"),
+])
+def test_reductions_beyond_float32_accumulators(fn, reduction, values, dtype, backend, monkeypatch):
+    """Where torch's float32 accumulator overflows (Inf/NaN) or underflows (0), the kernels' reductions are the true
+    value rounded once to the dtype (README, "Reductions in the body"); the eager and reference backends run torch's."""
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")
+    grad = torch.tensor(values(torch.finfo(dtype)), dtype=dtype)
+    torch_result = eager_expected(lambda g: fn(g), grad, grad)
+    exact = eager_expected(lambda g: fn(g, exactly(reduction)), grad, grad)
+    assert torch.isfinite(exact).all() and not torch.equal(torch_result, exact)  # torch's accumulator shows here
+    fire(fh.grad_hook(lambda g: fn(g), backend=backend), grad)
+    assert_close_to(grad, exact if backend == "triton" else torch_result, REDUCTION_RTOL[dtype])
+
+
+@pytest.mark.parametrize("programs", ["one", "several"])
+@pytest.mark.parametrize("body", [lambda g: g * 0 + g.max(), lambda g: g * 0 + g.amin(), lambda g: g / g.abs().amax()],
+                         ids=["max", "amin", "abs_amax"])
+def test_extrema_of_signed_zeros(body, programs, backend, monkeypatch):
+    """All -0.0: every extremum is -0.0, bit for bit, as torch's; +0.0 and -0.0 mixed: a zero of either sign (torch's
+    own sign depends on where the zeros lie, README "Reductions in the body")."""
+    if programs == "several":
+        monkeypatch.setenv("FUSEDHOOKS_BLOCK", "16")
+    for dtype in (torch.float32, torch.bfloat16):
+        grad = torch.full((37,), -0.0, dtype=dtype)
+        expected = eager_expected(body, grad, grad)
+        fire(fh.grad_hook(body, backend=backend), grad)
+        assert_same_bits(grad, expected)
+        mixed = torch.tensor([0.0, -0.0] * 20, dtype=dtype)
+        expected = eager_expected(body, mixed, mixed)
+        fire(fh.grad_hook(body, backend=backend), mixed)
+        assert_same_values(mixed, expected)
+
+
+@pytest.mark.parametrize("body", [
+    lambda g: g / (torch.norm(g) + 1e-6),
+    lambda g: g / (torch.norm(g, 1) + 1),
+    lambda g: g / torch.norm(g, p=float("inf")),
+    lambda g: g / (torch.norm(g, dim=1, keepdim=True) + 1e-6),
+], ids=["fro", "p1", "pinf", "dim1"])
+def test_torch_norm_function_form_compiles(body, backend):
+    """torch.norm(g) (a Python function of torch/functional.py) hands its out=None and dtype=None on to the traced
+    tensor: they were refused as unexpected keywords, while g.norm() compiled."""
+    grad = torch.randn(6, 7, generator=torch.Generator().manual_seed(0))
+    expected = eager_expected(body, grad, grad)
+    fire(fh.grad_hook(body, backend=backend), grad)
+    assert_close_to(grad, expected, REDUCTION_RTOL[torch.float32])

@@ -1,5 +1,7 @@
 """Statistics recorded by the kernel against a float64 torch reference (tolerances of DESIGN.md)."""
 
+import math
+
 import pytest
 import torch
 
@@ -154,3 +156,16 @@ def test_to_scalars_is_read_flattened_without_histograms_or_stale_rows(backend):
     assert isinstance(scalars["fc.weight/nan"], int) and isinstance(scalars["fc.weight/norm"], float)
     hook.stats.reset()
     assert hook.stats.to_scalars() == {}
+
+
+@pytest.mark.parametrize("zeros", [[0.0] * 5, [-0.0] * 5, [0.0, -0.0, 0.0]], ids=["pos", "neg", "mixed"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_absmax_of_zeros_is_positive_zero_like_torch(zeros, dtype, backend):
+    """absmax is x.abs().max(): +0.0 for a gradient of zeros of either sign (the eager backend took max(-min, max),
+    which is -0.0 when min is +0.0)."""
+    grad = torch.tensor(zeros, dtype=dtype)
+    expected = grad.abs().max().item()
+    hook = fh.grad_hook(stats=("absmax",), backend=backend)
+    fire(hook, grad)
+    got = hook.stats.read()["param0"]["absmax"]
+    assert got == expected and math.copysign(1.0, got) == math.copysign(1.0, expected), (got, expected)
