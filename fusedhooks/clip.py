@@ -72,11 +72,13 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     unless error_if_nonfinite=True.
 
     Which parameters count: those registered with `hook` whose `.grad` is not None (None is skipped, as torch
-    does). Such a parameter must have fired the hook (since registration or `hook.stats.reset()`), or its norm
-    is unknown and ValueError is raised. A gradient changed or replaced since the hook last measured it (a
-    parameter the last backward did not reach after `zero_grad(set_to_none=False)`, a gradient edited by hand:
-    told by the gradient tensor itself and its version counter, never by its address, which the allocator reuses)
-    has its norm computed from the gradient instead (one read of it).
+    does), as torch measures them. A gradient the hook has not measured as it is now has its norm computed from
+    the gradient instead (one read of it): one changed or replaced since the hook last measured it (a parameter the
+    last backward did not reach after `zero_grad(set_to_none=False)`, a gradient edited by hand: told by the
+    gradient tensor itself and its version counter, never by its address, which the allocator reuses), and one it
+    has not fired on since registration or `hook.stats.reset()` (a gradient set by hand; one produced only in
+    micro-batches that `accumulation_steps=`, `when=` or `hook.paused()` left unprocessed, as an eager hook gated
+    the same way would leave it).
 
     Versions: the Triton scale bumps every gradient's version counter, as `mul_` would, except with
     max_norm=inf, where the coefficient is 1 (nothing is written) or NaN (a non-finite total norm, as in torch:
@@ -124,18 +126,18 @@ def _clip(hook: GradHook, max_norm: float, norm_type: float, error_if_nonfinite:
     max_norm = float(max_norm)
     norm_type = float(norm_type)
     slot, transform = _norm_slot(hook, norm_type)
-    grads, entries, key = _collect(hook, need_fired=slot is not None)
+    grads, entries, key = _collect(hook)
     copies = given is not None and _are_copies(given, grads)
     if copies:
         # a copy (which the graph may have changed before the call, `.grad` itself being written only after the
         # graph) is described by the recorded norm of the gradient it holds exactly the values of
-        described = [e.measured is not None and (e.measured.describes(g, bumps) if c is g else
-                                                 e.measured.describes(g) and torch.equal(c, g))
+        described = [_has_row(hook, e) and (e.measured.describes(g, bumps) if c is g else
+                                            e.measured.describes(g) and torch.equal(c, g))
                      for e, g, c in zip(entries, grads, given)]
         grads = list(given)
         key = tuple(0 if i % 4 == 1 else k for i, k in enumerate(key[:-1])) + key[-1:]  # new copies each call
     else:
-        described = [e.measured is not None and e.measured.describes(g, bumps) for e, g in zip(entries, grads)]
+        described = [_has_row(hook, e) and e.measured.describes(g, bumps) for e, g in zip(entries, grads)]
     if not grads:
         return torch.zeros((), device=hook.stats.device or "cpu")
     per_hook = _layouts.setdefault(hook, {})
@@ -227,9 +229,10 @@ def _refresh(values: torch.Tensor, layout: _Layout, grads: list[torch.Tensor], e
              described: list[bool], norm_type: float) -> torch.Tensor:
     """The recorded norms (float64, in layout order), made current: a gradient that is not the one the hook
     measured (another tensor object, or changed in place since: a parameter the last backward did not reach
-    after zero_grad(set_to_none=False), a gradient edited by hand) has its norm computed from the gradient
-    (one read of it); one that an earlier call multiplied by an exact coefficient gets the recorded norm times
-    it."""
+    after zero_grad(set_to_none=False), a gradient edited by hand; or one it has not measured since registration
+    or stats.reset(): a gradient set by hand, one a gated micro-batch left unprocessed) has its norm computed from
+    the gradient (one read of it); one that an earlier call multiplied by an exact coefficient gets the recorded
+    norm times it."""
     recompute, rescale = [], {}
     for g in layout.groups:
         for k, i in enumerate(g.members):
@@ -269,16 +272,18 @@ def grads_of(hook: GradHook) -> Iterator[tuple[Entry, torch.Tensor]]:
             yield entry, g
 
 
-def _collect(hook: GradHook, need_fired: bool) -> tuple[list[torch.Tensor], list[Entry], tuple]:
+def _has_row(hook: GradHook, entry: Entry) -> bool:
+    """Does `entry`'s statistics row hold what the hook measured last (it has fired since registration or
+    stats.reset(), which leaves `entry.measured` as it was)?"""
+    return entry.measured is not None and hook.stats.fired(entry.row)
+
+
+def _collect(hook: GradHook) -> tuple[list[torch.Tensor], list[Entry], tuple]:
     """The gradients that count (registration order; of a sharded parameter, this rank's shard), their
     entries, and the key telling whether a cached layout still fits (its last item: the positions of sharded
     gradients)."""
     grads, entries, key, sharded = [], [], [], []
     for entry, g in grads_of(hook):
-        if need_fired and not hook.stats.fired(entry.row):
-            raise ValueError(f"{entry.name} has a .grad but {hook.__name__} has not fired on it (since it was "
-                             "registered, or since stats.reset()), so its norm is unknown; run backward with the "
-                             "hook registered before clip_grad_norm_")
         if distributed.is_dtensor(g):  # FSDP2: this rank's shard is scaled; its norm is the whole parameter's
             sharded.append(len(grads))
             g = g._local_tensor

@@ -274,12 +274,45 @@ def test_no_grads_returns_zero_and_launches_nothing(backend, monkeypatch):
     assert calls == []
 
 
-def test_grad_without_a_firing_is_refused(backend):
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+def test_grad_set_by_hand_is_measured_from_the_gradient(backend, norm_type):
     params = make_params([(5,), (3,)])
     hook = hooked(params, backend)
-    params[0].grad = torch.ones(5)  # set by hand: the hook never saw it
-    with pytest.raises(ValueError, match="has not fired"):
-        fh.clip_grad_norm_(hook, 1.0)
+    params[0].grad = torch.full((5,), 3.0)  # set by hand: the hook never saw it
+    params[1].grad = torch.tensor([1.0, -4.0, 2.0])
+    expected_total, expected = torch_clip(params, 1.0, norm_type)
+    total = fh.clip_grad_norm_(hook, 1.0, norm_type=norm_type)
+    assert_matches_torch(total, expected_total, params, expected, exact=norm_type == INF)
+
+
+def test_grads_after_stats_reset_are_measured_from_the_gradients(backend):
+    params = make_params(SIZES)
+    hook = hooked(params, backend)
+    backward_with(params, random_grads(params, scale=10.0))
+    hook.stats.reset()  # the rows are NaN now; the gradients are still those the hook measured
+    expected_total, expected = torch_clip(params, 1.0)
+    total = fh.clip_grad_norm_(hook, 1.0)
+    assert torch.isfinite(total)
+    assert_matches_torch(total, expected_total, params, expected, exact=False)
+
+
+def test_grad_of_a_micro_batch_the_gate_skipped_counts(backend):
+    """accumulation_steps=2, a parameter reached in the first micro-batch only: the hook processes nothing of it
+    (as an eager hook gated the same way), and the global norm is torch's, its gradient included."""
+    torch.manual_seed(0)
+    trunk, expert, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    modules = torch.nn.ModuleDict({"trunk": trunk, "expert": expert, "head": head})
+    hook = fh.grad_hook(lambda g: g.clamp(-0.1, 0.1), stats=("norm",), backend=backend)
+    hook.register(modules, accumulation_steps=2)
+    x = torch.randn(3, 4) * 3
+    (head(trunk(x)).sum() + expert(trunk(x)).sum()).backward()
+    unprocessed = expert.weight.grad.clone()
+    head(trunk(x)).sum().backward()
+    assert torch.equal(expert.weight.grad, unprocessed)  # the gate left it alone
+    params = list(modules.parameters())
+    expected_total, expected = torch_clip(params, 1.0)
+    total = fh.clip_grad_norm_(hook, 1.0)
+    assert_matches_torch(total, expected_total, params, expected, exact=False)
 
 
 def test_empty_gradient_counts_as_zero_for_the_inf_norm(backend):
