@@ -131,7 +131,9 @@ class GradHook:
             raise TypeError(f"scaler= takes a torch.amp.GradScaler, not {type(scaler).__name__}")
         self.scaler, self.optimizer = scaler, optimizer
         self._found_inf: dict[torch.device, torch.Tensor] = {}
-        self._paused = False
+        self._paused = False  # while any paused() block runs, in any thread
+        self._pauses = 0
+        self._pause_lock = threading.Lock()
         if fn is not None and not callable(fn):
             raise TypeError(f"grad_hook takes a function, not {type(fn).__name__}")
         self._body: TracedBody = trace(fn if fn is not None else _identity)
@@ -170,7 +172,8 @@ class GradHook:
                 _fire_compiling(self, arg)
             elif self._paused:
                 pass
-            elif torch.is_grad_enabled() and not (arg.grad is not None and arg.grad.requires_grad):
+            elif (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+                  and not (arg.grad is not None and arg.grad.requires_grad)):
                 with torch.no_grad():  # a call by hand: as in a backward without create_graph, nothing is recorded
                     self.fire(arg)
             else:
@@ -202,6 +205,7 @@ class GradHook:
         backward_key = torch._C._current_graph_task_id() if backward_key is None else backward_key
         eager_firing = self._eager_firings.get((grad.dtype, grad.shape) if self.reduces_over_dims else grad.dtype)
         if (eager_firing is not None and type(grad) is torch.Tensor and grad.is_cpu and not grad.requires_grad
+                and not torch.is_grad_enabled()
                 and grad.numel() and entry.checked_shape == grad.shape
                 and (self._distributed_checked or backward_key == self._distributed_seen)):
             eager_firing(entry, grad, param, backward_key)  # what process() would do, with fewer lookups
@@ -221,13 +225,15 @@ class GradHook:
                             "gradients: make the module produce dense ones (nn.Embedding(sparse=False)) or register "
                             "the hook on the other parameters only")
         self.stats.begin_firing(backward_key)
-        if grad.requires_grad:
+        if self.records(grad, param):
             compiled = self._compiled_for_autograd(grad.dtype, grad.shape)
         else:
             compiled = self._compiled_for(grad)
         if entry.checked_shape != grad.shape:
             self._check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
+        if self._body.scalars:
+            self._body.check_scalars()
         buffer, stats_row = self.stats.writable_row(entry.row) if compiled.plan.slots else (None, None)
         amp = self.amp_tensors(grad.device) if compiled.plan.amp else None
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
@@ -236,10 +242,21 @@ class GradHook:
             self.stats.settle(buffer, entry.row)
         entry.record(grad)
         key = (grad.dtype, grad.shape) if self.reduces_over_dims else grad.dtype  # (a plan per shape)
-        if compiled.plan.backend == "eager" and key not in self._eager_firings and not grad.requires_grad:
+        if compiled.plan.backend == "eager" and key not in self._eager_firings and not torch.is_grad_enabled():
             if len(self._eager_firings) > 256:  # shapes keep changing: keep it small
                 self._eager_firings.clear()
             self._eager_firings[key] = self._eager_firing(compiled)
+
+    def records(self, grad: torch.Tensor, param: torch.Tensor) -> bool:
+        """Does an eager hook's body on `grad` make autograd record it here: `.grad` requires grad, or, with grad
+        mode on (a backward(create_graph=True)), the body reads a tensor that does (the parameter, a closed-over
+        tensor)? Then the body runs as eager torch ops that autograd records, as an eager hook's would."""
+        if grad.requires_grad:
+            return True
+        if not torch.is_grad_enabled():
+            return False
+        return ((param.requires_grad and self._body_for(tuple(grad.shape)).uses_param)
+                or any(s.requires_grad for s in self._body.scalars))
 
     def _eager_firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
         """`process` on the eager backend, for a plain (not a DTensor, not requiring grad), non-empty CPU gradient
@@ -248,12 +265,17 @@ class GradHook:
         statistics and AMP, the body alone (no backward numbering, row, or record for clip_grad_norm_, which
         only reads hooks that record statistics)."""
         plan, body, scalars, stats = compiled.plan, compiled.kernel, self._body.scalars, self.stats
+        check_scalars = self._body.check_scalars
         if not (plan.slots or plan.amp):
             def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
+                if scalars:
+                    check_scalars()
                 body(grad, param, scalars)
             return firing
 
         def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
+            if scalars:
+                check_scalars()
             stats.begin_firing(backward_key)
             buffer, stats_row = stats.writable_row(entry.row) if plan.slots else (None, None)
             amp = self.amp_tensors(grad.device) if plan.amp else None
@@ -656,12 +678,16 @@ class GradHook:
     def paused(self):
         """Within this block the hook does nothing (gradient accumulation: clip and record statistics once,
         on the accumulated gradient of the last micro-batch, outside the block). It pauses the hook object,
-        for every thread."""
-        previous, self._paused = self._paused, True
+        for every thread, while any such block runs (blocks in several threads may overlap)."""
+        with self._pause_lock:
+            self._pauses += 1
+            self._paused = True
         try:
             yield self
         finally:
-            self._paused = previous
+            with self._pause_lock:
+                self._pauses -= 1
+                self._paused = self._pauses > 0
 
     def _targets(self, target, name):
         return named_tensors(target, name, self._auto_name)

@@ -102,6 +102,8 @@ def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch
         for entry, grad, p in items:
             hook.process(entry, grad, p, backward_key)
         return
+    if hook.scalars:
+        hook._body.check_scalars()
     uses_param = plan.graph.uses_param
     is_cuda, index = device.type == "cuda", items[0][1].get_device()  # compared without building torch.devices
     entries, grads, params, numels = [], [], [], []
@@ -121,7 +123,6 @@ def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch
             hook.process(entry, grad, p, backward_key)
     if entries:
         rows = [entry.row for entry in entries]
-        hook.stats.mark_written(rows)
         amp = hook.amp_tensors(device) if plan.amp else None
         stats = hook.stats.tensor if plan.slots else None
         runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, hook.scalars, stats, hook.workspace(device),
@@ -160,11 +161,11 @@ class Buckets:
     def torch_hook(self, entry: Entry):
         """The torch hook of a bucketed tensor, `hook(param)`. Processed now, at its own firing, when the gradient
         must be final before anything else runs (a post-accumulate hook registered after ours on the tensor), when
-        autograd records the body (`.grad` requires grad: create_graph=True), outside a backward, for a sharded
+        autograd records the body (a backward with create_graph=True), outside a backward, for a sharded
         (FSDP2) gradient, in a process group of several ranks (see GradHook._check_distributed), and while
         torch.compile traces it (one `fusedhooks::fire` op, see `ops`)."""
         hook = self._hook()  # held by the torch hook, as the GradHook's own methods hold it
-        graph_task_id = torch._C._current_graph_task_id
+        graph_task_id, grad_enabled = torch._C._current_graph_task_id, torch.is_grad_enabled
 
         def enqueue(param: torch.Tensor) -> None:
             if _is_compiling():  # processed at its own firing by one fusedhooks::fire op (see ops)
@@ -179,6 +180,7 @@ class Buckets:
                 return
             key, pending = self._last
             if (key != graph_task_id() or (pending := pending()) is None or pending.done or grad.requires_grad
+                    or grad_enabled()
                     or entry.sharded
                     or next(reversed(param._post_accumulate_grad_hooks), None) != entry.torch_hook_id):
                 # not the common case (the one backward running, already seen, ours the tensor's last hook): see
@@ -216,7 +218,8 @@ class Buckets:
             entry.sharded = distributed.is_dtensor(grad)
         if not hook._distributed_checked and not entry.sharded:
             hook._check_distributed(entry, backward_key)
-        if (backward_key < 0 or grad.requires_grad or entry.has_later_hooks(param) or self.at_firing
+        if (backward_key < 0 or grad.requires_grad or torch.is_grad_enabled() or entry.has_later_hooks(param)
+                or self.at_firing
                 or entry.sharded):
             hook.fire(param, entry, backward_key)
             return None

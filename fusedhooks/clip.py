@@ -74,16 +74,18 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     Which parameters count: those registered with `hook` whose `.grad` is not None (None is skipped, as torch
     does), as torch measures them. A gradient the hook has not measured as it is now has its norm computed from
     the gradient instead (one read of it): one changed or replaced since the hook last measured it (a parameter the
-    last backward did not reach after `zero_grad(set_to_none=False)`, a gradient edited by hand: told by the
-    gradient tensor itself and its version counter, never by its address, which the allocator reuses), and one it
+    last backward did not reach after `zero_grad(set_to_none=False)`, a gradient edited by hand or given other
+    storage by `p.grad.data = t`: told by the gradient tensor itself, its version counter and its address, never by
+    the address alone, which the allocator reuses), and one it
     has not fired on since registration or `hook.stats.reset()` (a gradient set by hand; one produced only in
     micro-batches that `accumulation_steps=`, `when=` or `hook.paused()` left unprocessed, as an eager hook gated
     the same way would leave it).
 
-    Versions: the Triton scale bumps every gradient's version counter, as `mul_` would, except with
-    max_norm=inf, where the coefficient is 1 (nothing is written) or NaN (a non-finite total norm, as in torch:
-    every gradient becomes NaN); the gradients then stay described by the recorded norms times that
-    coefficient, so calling clip_grad_norm_ again reads no gradient.
+    Versions: the scale bumps every gradient's version counter, as `mul_` does (with the Triton backend too, which
+    writes nothing when the coefficient is 1), so that every other hook's record of a gradient is seen as changed.
+    With max_norm=inf the coefficient is 1, or NaN (a non-finite total norm, as in torch: every gradient becomes
+    NaN); this hook's gradients then stay described by its recorded norms times that coefficient, so calling
+    clip_grad_norm_ again reads no gradient.
 
     Other norm types (1.0, 3.0, -inf, ...) fall back to computing each parameter's norm from the gradients with
     torch (`torch._foreach_norm` / `torch.linalg.vector_norm`, as torch does): one extra read of every
@@ -185,14 +187,15 @@ def _clip(hook: GradHook, max_norm: float, norm_type: float, error_if_nonfinite:
         if g.table is None or copies:
             g.table = _multi_tensor().build_table(group_grads)
         _multi_tensor().scale_(g.table, coef, round_coef=g.round_coef, launch=runtime.launch)
-        if not exact_coef:  # written through raw pointers: tell autograd (and later calls), as mul_ would
-            increment_version(group_grads)
+        # written through raw pointers: tell autograd and every hook's record, as mul_ would (with max_norm=inf too:
+        # a NaN coefficient writes NaN, which another hook sharing the parameter must not take for its norm)
+        increment_version(group_grads)
         for i in g.table.left_out:  # not dense: scaled by torch (never the case for gradients torch allocates)
             group_grads[i].mul_(coef)
     if exact_coef:
         for entry, grad, was_described in zip(entries, grads, described):
             if was_described:
-                entry.measured = Measurement(entry.measured.grad, grad._version,
+                entry.measured = Measurement(entry.measured.grad, grad._version, entry.measured.address,
                                              clip_coef_clamped if entry.measured.coef is None
                                              else entry.measured.coef * clip_coef_clamped)
     return total_norm

@@ -354,13 +354,15 @@ class ShardStats:
         hook.stats.begin_firing(backward_key)
         partial_row = None
         if compiled.plan.slots:
-            hook.stats.row(entry.row)  # marks it written by this backward (merged into when it ends)
             partial_row = self._partial_row(entry.row, local.device)
+        if hook.scalars:
+            hook._body.check_scalars()
         runtime.fire(compiled.plan, compiled.kernel, local, local_param, hook.scalars, partial_row,
                      hook.workspace(local.device))
         entry.record(local)
         if partial_row is None:
             return
+        hook.stats.mark_written([entry.row])  # by this backward: merged into when it ends
         if backward_key < 0:  # called by hand: every rank calls it, and it merges now
             self.merge({group: {entry.row}})
             return

@@ -78,7 +78,7 @@ def fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
     grad = param.grad
     if grad is None:
         return
-    if grad.requires_grad:  # backward(create_graph=True): the body must run as ops autograd records
+    if hook.records(grad, param):  # backward(create_graph=True): the body must run as ops autograd records
         _fire_eager(hook, param)
         return
     stats = hook.stats._buffer if hook.stats.slot_names else None

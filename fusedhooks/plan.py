@@ -168,7 +168,8 @@ class Plan:
         if self.amp:
             lines.append("  AMP: grad * (1 / scale) first; NaN/Inf of the scaled gradient sets found_inf")
         lines.append(f"  stats (after the body): {', '.join(self.stats) or '-'}")
-        lines.append(f"  input_stats (as accumulated): {', '.join(self.input_stats) or '-'}")
+        accumulated = "as accumulated, unscaled" if self.amp else "as accumulated"
+        lines.append(f"  input_stats ({accumulated}): {', '.join(self.input_stats) or '-'}")
         if self.hist_range:
             lines.append(f"  hist: {self.hist_bins} bins of floor(log2|g|) from {self.hist_range[0]} "
                          f"to {self.hist_range[1]}")

@@ -13,18 +13,20 @@ from .stats import HookStats
 
 @dataclass(eq=False, slots=True)
 class Measurement:
-    """The gradient a statistics row describes: that tensor object (not its address: a freed gradient's
-    address is often reused by the next one) at that version. `coef`: a 0-dim device tensor the gradient
+    """The gradient a statistics row describes: that tensor object (not its address alone: a freed gradient's
+    address is often reused by the next one) at that version and address (`p.grad.data = t` keeps the object and
+    its version, not its storage). `coef`: a 0-dim device tensor the gradient
     was multiplied by afterwards without a version bump (clip_grad_norm_ with max_norm=inf multiplies by 1,
     or by NaN when the total norm is not finite), so the recorded norm times `coef` is its norm now."""
 
     grad: weakref.ref
     version: int
+    address: int
     coef: torch.Tensor | None = None
 
     def describes(self, grad: torch.Tensor, bumps: int = 0) -> bool:
         """Is `grad` the measured gradient, unchanged since (but for `bumps` version bumps known to write nothing)?"""
-        return self.grad() is grad and self.version + bumps == grad._version
+        return self.grad() is grad and self.version + bumps == grad._version and self.address == grad.data_ptr()
 
 
 @dataclass(eq=False)
@@ -47,7 +49,7 @@ class Entry:
 
     def record(self, grad: torch.Tensor) -> None:
         """The statistics row now describes `grad` as it is."""
-        self.measured = Measurement(weakref.ref(grad), grad._version)
+        self.measured = Measurement(weakref.ref(grad), grad._version, grad.data_ptr())
 
     def has_later_hooks(self, t: torch.Tensor) -> bool:
         """Does a post-accumulate hook registered after ours run on `t` (it must see the processed gradient)?"""
@@ -58,7 +60,7 @@ class Entry:
 def record_all(entries: list[Entry], grads: list[torch.Tensor]) -> None:
     """`entry.record(grad)` for each pair (a bucket's), in one call."""
     for entry, grad in zip(entries, grads):
-        entry.measured = Measurement(weakref.ref(grad), grad._version)
+        entry.measured = Measurement(weakref.ref(grad), grad._version, grad.data_ptr())
 
 
 class Registry:

@@ -105,13 +105,13 @@ class HookStats:
         return self._written[index] > 0
 
     def row(self, index: int) -> torch.Tensor:
-        """Row `index` of the buffer, marked as written by the current backward (a view, cached)."""
+        """Row `index` of the buffer (a view, cached); not marked as written (see `settle`, `mark_written`)."""
         return self.writable_row(index)[1]
 
     def writable_row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the buffer, its row `index`) for a kernel to write into, the row marked as written by the current
-        backward; once written, `settle(buffer, index)`."""
-        self._written[index] = self._backwards.number
+        """(the buffer, its row `index`) for a kernel to write into; once written, `settle(buffer, index)` marks
+        it as written by the current backward (a firing that raises before leaves the row's marks as they were:
+        never fresh with older values)."""
         buffer, views = self._state
         row = views.get(index)
         if row is None:
@@ -119,8 +119,10 @@ class HookStats:
         return buffer, row
 
     def settle(self, buffer: torch.Tensor, rows: int | list[int]) -> None:
-        """Rows `rows` of `buffer` (from `writable_row` or `tensor`) were just written: if another thread's
-        registration replaced the buffer meanwhile (add_row copies it as it is then), copy them into the new one."""
+        """Rows `rows` of `buffer` (from `writable_row` or `tensor`) were just written: mark them as written by the
+        current backward, and if another thread's registration replaced the buffer meanwhile (add_row copies it as
+        it is then), copy them into the new one."""
+        self.mark_written([rows] if isinstance(rows, int) else rows)
         if self._growing or buffer is not self._state[0]:
             with self._lock:
                 current = self._state[0]

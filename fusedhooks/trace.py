@@ -144,6 +144,25 @@ class TracedBody:
     scalar_of: dict[str, int]       # get_attr target -> index into scalars
     uses_param: bool
 
+    def __post_init__(self):
+        self._traced = [(t.dtype, t.shape, t.device) for t in self.scalars]  # what the plans were lowered for
+        self._addresses = [t.data_ptr() for t in self.scalars]
+
+    def check_scalars(self) -> None:
+        """Raise when a closed-over tensor is no longer the dtype, shape or device it was traced with (`s.data = t`,
+        `s.set_(t)`, `s.resize_(n)` change it in place without a new trace): the kernels would read it as traced.
+        Checked at each firing; costs one `data_ptr()` per tensor while none was given other storage."""
+        for i, t in enumerate(self.scalars):
+            if t.data_ptr() != self._addresses[i]:
+                dtype, shape, device = self._traced[i]
+                if (t.dtype, t.shape, t.device) != (dtype, shape, device):
+                    raise RuntimeError(
+                        f"{self.name}: closed-over tensor {i} was traced as a {dtype} tensor of shape {tuple(shape)} "
+                        f"on {device}, and is now a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device} "
+                        "(given other storage: `.data =`, `set_`, `resize_`). Change its value in place "
+                        "(`s.fill_(v)`, `s.copy_(v)`), or decorate the function again for the new tensor")
+                self._addresses[i] = t.data_ptr()
+
 
 def _arity(fn) -> int:
     try:

@@ -403,6 +403,39 @@ def test_closed_over_scalar_is_read_at_every_firing_without_recompiling(backend)
     assert len(scaled._compiled) == 1
 
 
+@pytest.mark.parametrize("bucket_mb", [None, 25])
+def test_closed_over_scalar_given_new_storage_of_its_kind_is_read(backend, bucket_mb):
+    scale = torch.tensor(2.0)
+    hook = fh.grad_hook(lambda grad: grad * scale, backend=backend)
+    t = leaf(5)
+    hook.register(t, bucket_mb=bucket_mb)
+    g = torch.randn(5)
+    scale.data = torch.tensor(3.0)  # other storage, same dtype and shape: read there
+    backward_with(t, g)
+    assert torch.equal(t.grad, g * 3.0)
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 25])
+@pytest.mark.parametrize("change", ["dtype", "shape", "resize_"])
+def test_closed_over_scalar_changed_out_of_its_traced_kind_is_refused(backend, bucket_mb, change):
+    """The plan is lowered for the traced dtype and shape: a kernel would read a float64 as float32 bits, or
+    element 0 of what eager torch broadcasts (or refuses to)."""
+    scale = torch.tensor(2.0)
+    hook = fh.grad_hook(lambda grad: grad * scale, stats=("sum",), backend=backend)
+    t = leaf(5)
+    hook.register(t, bucket_mb=bucket_mb)
+    backward_with(t, torch.ones(5))
+    if change == "dtype":
+        scale.data = torch.tensor(3.0, dtype=torch.float64)
+    elif change == "shape":
+        scale.data = torch.tensor([3.0])
+    else:
+        scale.resize_(5)
+    t.grad = None
+    with pytest.raises(RuntimeError, match="closed-over tensor 0 was traced as a torch.float32 tensor of shape"):
+        backward_with(t, torch.ones(5))
+
+
 def test_hook_registered_through_torch_directly_gets_param_key(backend):
     hook = fh.grad_hook(lambda grad: grad + 1.0, stats=("count",), backend=backend)
     t = leaf(3)

@@ -617,19 +617,51 @@ def test_another_gradient_tensor_at_the_measured_address_and_version_is_not_the_
     torch.testing.assert_close(total, torch.linalg.vector_norm(torch.arange(100.0)), rtol=1e-6, atol=0)
 
 
-def test_max_norm_inf_writes_nothing_and_a_second_call_reads_no_gradient(monkeypatch):
+def test_max_norm_inf_bumps_versions_as_mul_and_a_second_call_reads_no_gradient(backend, monkeypatch):
     params = make_params([(97,), (13, 7)])
-    hook = hooked(params, "triton")
+    hook = hooked(params, backend)
     backward_with(params, random_grads(params))
+    values = [p.grad.clone() for p in params]
     versions = [p.grad._version for p in params]
     first = fh.clip_grad_norm_(hook, INF)
-    assert [p.grad._version for p in params] == versions       # the coefficient is 1: nothing written
+    assert [p.grad._version for p in params] == [v + 1 for v in versions]  # as torch's _foreach_mul_ bumps them
+    for p, v in zip(params, values):
+        assert_same_values(p.grad, v)  # the coefficient is 1
     reads = count_calls(monkeypatch, torch.linalg, "vector_norm")
     second = fh.clip_grad_norm_(hook, INF)
     assert torch.equal(first, second)
     assert not [args for args in reads if args[0].numel() > 2], "a gradient was read again"
     expected, _ = torch_clip(params, INF)
     torch.testing.assert_close(second, expected, rtol=1e-6, atol=0)
+
+
+def test_another_hook_sharing_a_parameter_sees_the_nan_of_a_max_norm_inf_clip(backend):
+    """One hook's clip with max_norm=inf and an infinite total norm makes every gradient NaN: a second hook
+    registered on one of those parameters must not take its own recorded (finite) norm for it."""
+    a, b = make_params([(5,), (3,)])
+    whole = hooked([a, b], backend)
+    part = hooked([b], backend)
+    backward_with([a, b], [torch.tensor([1.0, INF, 0.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 3.0])])
+    fh.clip_grad_norm_(whole, INF)
+    assert torch.isnan(b.grad).all()
+    expected_total, expected = torch_clip([b], 1.0)
+    total = fh.clip_grad_norm_(part, 1.0)
+    assert math.isnan(expected_total.item())
+    assert_same_values(total, expected_total)
+    assert_same_values(b.grad, expected[0])
+
+
+def test_grad_given_other_storage_through_data_is_measured_again(backend):
+    """`p.grad.data = t` keeps the gradient's tensor object and version counter: its new storage tells."""
+    params = make_params([(5,), (3,)])
+    hook = hooked(params, backend)
+    backward_with(params, random_grads(params))
+    version = params[0].grad._version
+    params[0].grad.data = params[0].grad.data * 3.0
+    assert params[0].grad._version == version
+    expected_total, expected = torch_clip(params, 1.0)
+    total = fh.clip_grad_norm_(hook, 1.0)
+    assert_matches_torch(total, expected_total, params, expected, exact=False)
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

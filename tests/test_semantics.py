@@ -126,6 +126,57 @@ def test_a_backward_that_raises_leaves_nothing_behind(backend, mode):
         assert all(row["absmax"] <= 0.125 and row.fresh for row in hook.stats.read().values())
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_firing_that_raises_does_not_mark_its_row_written(backend, mode):
+    """A body that raises at its firing writes no statistics: its row keeps its values and is stale, like that of
+    a parameter the failed backward did not reach."""
+    scale = torch.tensor(2.0)
+    hook = fh.grad_hook(lambda grad: grad * scale, stats=("sum",), backend=backend)
+    w, v = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    hook.register([("w", w), ("v", v)], **MODES[mode])
+    (w.sum() + v.sum()).backward()
+    w.grad = v.grad = None
+    scale.data = torch.tensor([1.0, 2.0, 3.0, 4.0])  # the body cannot broadcast it: its firing raises
+    with pytest.raises(Exception):  # noqa: B017  (the backend's own broadcasting error)
+        (w.sum() * 5 + v.sum() * 5).backward()
+    stats = hook.stats.read()
+    assert stats["w"] == stats["v"] == {"sum": 6.0}  # the first backward's
+    assert stats["w"].fresh == stats["v"].fresh
+
+
+def test_paused_blocks_overlapping_in_two_threads_pause_until_the_last_ends():
+    hook = fh.grad_hook(lambda grad: grad * 0.5)
+    w = torch.ones(3, requires_grad=True)
+    hook.register(w)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with hook.paused():
+            a_in.set()
+            assert b_in.wait(30)
+        a_out.set()
+
+    def b():
+        assert a_in.wait(30)
+        with hook.paused():
+            b_in.set()
+            assert a_out.wait(30)
+            (w * 2).sum().backward()  # A's block has ended, B's has not: still paused
+            seen["inside"] = w.grad.clone()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert torch.equal(seen["inside"], torch.full((3,), 2.0))
+    w.grad = None
+    (w * 2).sum().backward()  # every block has ended
+    assert torch.equal(w.grad, torch.ones(3))
+
+
 # --- threads ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)
@@ -320,6 +371,47 @@ def test_create_graph_runs_the_body_as_autograd_visible_ops(backend, register):
     assert torch.equal(second, expected) and second.tolist() == [12.0, 24.0, -36.0]
     assert hook.stats.read()[next(iter(hook.stats.read()))]["norm"] == pytest.approx(eager.grad.norm().item())
     p.grad = eager.grad = None  # break the parameter <-> gradient cycle create_graph makes
+
+
+@pytest.mark.parametrize("register", ["torch", "module", "buckets"])
+@pytest.mark.parametrize("reads", ["param", "closure"])
+def test_create_graph_records_a_body_reading_a_tensor_that_requires_grad(backend, register, reads):
+    """The loss is linear in v, so v's accumulated gradient does not require grad; the body reads a tensor that
+    does (the parameter, or a closed-over tensor), so an eager hook's result does, and second-order gradients
+    flow through the body."""
+    factor = torch.tensor(0.1, requires_grad=True)
+
+    def body(grad, param):
+        return grad + param * 0.1 if reads == "param" else grad + factor  # (saves no input: copy_ may write it)
+
+    def run(use_fusedhooks):
+        torch.manual_seed(0)
+        holder = torch.nn.Module()
+        holder.v = torch.nn.Parameter(torch.randn(3))
+        x = torch.randn(3)
+        if not use_fusedhooks:
+            def eager_hook(p):
+                p.grad.copy_(body(p.grad, p))
+
+            holder.v.register_post_accumulate_grad_hook(eager_hook)
+        else:
+            hook = fh.grad_hook(body, stats=("norm",), backend=backend)
+            if register == "torch":
+                holder.v.register_post_accumulate_grad_hook(hook)
+            else:
+                hook.register(holder, bucket_mb=25 if register == "buckets" else None)
+        with warnings.catch_warnings():   # torch warns (once) that create_graph makes a reference cycle
+            warnings.simplefilter("ignore")
+            (x * holder.v).sum().backward(create_graph=True)
+        grad = holder.v.grad
+        inputs = [holder.v] if reads == "param" else [factor]
+        (second,) = torch.autograd.grad((grad ** 2).sum(), inputs)
+        holder.v.grad = None
+        return grad.detach(), second
+
+    (expected_grad, expected_second), (grad, second) = run(False), run(True)
+    assert torch.equal(grad, expected_grad)
+    assert torch.equal(second, expected_second) and second.abs().sum() > 0
 
 
 # --- dead registrations ----------------------------------------------------------------------------------
