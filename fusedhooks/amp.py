@@ -74,3 +74,34 @@ def install() -> None:
         _wrap(cls)
 
     GradScaler.__init_subclass__ = classmethod(__init_subclass__)
+
+
+class BackwardBooks:
+    """What the firings of one backward found for a GradScaler: found_inf per device, written into the scaler's
+    books (`_per_optimizer_states[id(optimizer)]`: stage UNSCALED, found_inf_per_device) only when the backward
+    ends normally. Queued as that backward's end-of-backward callback, which holds it: a backward that raises drops
+    it, and the books stay as they were, as torch's recipe never reaches `scaler.unscale_` in a failed iteration."""
+
+    __slots__ = ("state", "found", "__weakref__")
+
+    def __init__(self, state: dict):
+        self.state = state
+        self.found: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self) -> None:
+        commit(self.state, self.found)
+
+
+def commit(state: dict, found: dict[torch.device, torch.Tensor]) -> None:
+    """Mark the optimizer of `state` as unscaled by fusedhooks, its found_inf per device summed with `found`'s."""
+    from torch.amp.grad_scaler import OptState
+
+    state["stage"] = OptState.UNSCALED
+    state["fusedhooks"] = True
+    books = state["found_inf_per_device"]
+    for device, value in found.items():
+        kept = books.get(device)
+        if kept is None:
+            books[device] = value
+        elif kept is not value:
+            kept.add_(value)

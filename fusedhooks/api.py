@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every firing
 
-from . import codegen, dims, distributed, eager, gates, runtime
+from . import amp, codegen, dims, distributed, eager, gates, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
@@ -131,6 +131,8 @@ class GradHook:
             raise TypeError(f"scaler= takes a torch.amp.GradScaler, not {type(scaler).__name__}")
         self.scaler, self.optimizer = scaler, optimizer
         self._found_inf: dict[torch.device, torch.Tensor] = {}
+        #: graph task id -> what its firings found for the scaler, held by its end-of-backward callback
+        self._amp_backwards: weakref.WeakValueDictionary[int, amp.BackwardBooks] = weakref.WeakValueDictionary()
         self._paused = False  # while any paused() block runs, in any thread
         self._pauses = 0
         self._pause_lock = threading.Lock()
@@ -235,9 +237,9 @@ class GradHook:
         if self._body.scalars:
             self._body.check_scalars()
         buffer, stats_row = self.stats.writable_row(entry.row) if compiled.plan.slots else (None, None)
-        amp = self.amp_tensors(grad.device) if compiled.plan.amp else None
+        amp_tensors = self.amp_tensors(grad.device, backward_key) if compiled.plan.amp else None
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
-                     self._workspace_for(grad), amp)
+                     self._workspace_for(grad), amp_tensors)
         if buffer is not None:
             self.stats.settle(buffer, entry.row)
         entry.record(grad)
@@ -278,8 +280,8 @@ class GradHook:
                 check_scalars()
             stats.begin_firing(backward_key)
             buffer, stats_row = stats.writable_row(entry.row) if plan.slots else (None, None)
-            amp = self.amp_tensors(grad.device) if plan.amp else None
-            eager.run(plan, body, grad, param, scalars, stats_row, amp, self._workspace_for(grad).scratch)
+            amp_tensors = self.amp_tensors(grad.device, backward_key) if plan.amp else None
+            eager.run(plan, body, grad, param, scalars, stats_row, amp_tensors, self._workspace_for(grad).scratch)
             if buffer is not None:
                 stats.settle(buffer, entry.row)
             entry.record(grad)
@@ -312,32 +314,49 @@ class GradHook:
         """The 0-dim tensors the body closes over, in kernel-argument order (read at every firing)."""
         return self._body.scalars
 
-    def amp_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, found_inf) for this iteration; marks the optimizer as unscaled in the scaler's books,
-        as scaler.unscale_(optimizer) would, so that scaler.step() neither unscales again nor steps on
-        NaN/Inf, and scaler.update() backs off as usual. Host bookkeeping only: no sync."""
+    def amp_tensors(self, device: torch.device, backward_key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, found_inf) for a firing in the backward `backward_key`; when that backward ends normally, the
+        optimizer is marked as unscaled in the scaler's books with what it found (`amp.BackwardBooks`), as
+        scaler.unscale_(optimizer) would, so that scaler.step() neither unscales again nor steps on NaN/Inf, and
+        scaler.update() backs off as usual; a backward that raises leaves the books as they were. Outside a
+        backward (a call by hand) the books are kept at once. Host bookkeeping only: no sync."""
         from torch.amp.grad_scaler import OptState
 
         scaler = self.scaler
         state = scaler._per_optimizer_states[id(self.optimizer)]
-        if state["stage"] is OptState.READY:
-            if scaler._scale is None:
-                raise RuntimeError("the GradScaler has no scale yet: call scaler.scale(loss) before backward")
-            self._check_covers_optimizer()
-            state["stage"] = OptState.UNSCALED
-            state["fusedhooks"] = True
-        elif state["stage"] is OptState.STEPPED or not state.get("fusedhooks"):
-            raise RuntimeError("a hook with scaler= unscales the gradients itself: do not call "
-                               "scaler.unscale_(optimizer), and call scaler.update() after scaler.step()")
-        found = state["found_inf_per_device"].get(device)
-        if found is None:
-            found = self._found_inf.get(device)
+        books = self._amp_backwards.get(backward_key) if backward_key >= 0 else None
+        if books is None or books.state is not state:
+            if state["stage"] is OptState.READY:
+                if scaler._scale is None:
+                    raise RuntimeError("the GradScaler has no scale yet: call scaler.scale(loss) before backward")
+                self._check_covers_optimizer()
+            elif state["stage"] is OptState.STEPPED or not state.get("fusedhooks"):
+                raise RuntimeError("a hook with scaler= unscales the gradients itself: do not call "
+                                   "scaler.unscale_(optimizer), and call scaler.update() after scaler.step()")
+            books = None
+            if gates.callbacks_run(backward_key):
+                books = self._amp_backwards[backward_key] = amp.BackwardBooks(state)
+                torch.autograd.Variable._execution_engine.queue_callback(books)
+        if books is None:  # outside a backward (or under compiled autograd): into the books now
+            found = state["found_inf_per_device"].get(device)
             if found is None:
-                found = self._found_inf[device] = torch.zeros(1, dtype=torch.float32, device=device)
-            else:
-                found.zero_()
-            state["found_inf_per_device"][device] = found
+                found = self._found_inf_buffer(device, state)
+            amp.commit(state, {device: found})
+            return scaler._scale, found
+        found = books.found.get(device)
+        if found is None:
+            found = books.found[device] = self._found_inf_buffer(device, state)
         return scaler._scale, found
+
+    def _found_inf_buffer(self, device: torch.device, state: dict) -> torch.Tensor:
+        """A zeroed found_inf for `device`: the hook's own (no allocation once warmed up, for CUDA graphs), or a new
+        one while the scaler's books hold the hook's own (an earlier backward of this iteration found it)."""
+        found = self._found_inf.get(device)
+        if found is None or state["found_inf_per_device"].get(device) is found:
+            found = self._found_inf[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        else:
+            found.zero_()
+        return found
 
     def _check_covers_optimizer(self) -> None:
         registered = {id(e.tensor) for e in self.registry}

@@ -3,6 +3,7 @@ condition the user gives holds (`register(..., accumulation_steps=n)`, `register
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -11,15 +12,35 @@ import torch
 
 class _Running:
     """Queued as an end-of-backward callback: alive while its backward runs (a backward that raises drops its
-    callbacks, and with them this object), `done` once the backward has ended normally."""
+    callbacks, and with them this object); `ended[0]` is set once the backward has ended normally (a list the
+    Backwards keeps, so that it outlives this object)."""
 
-    __slots__ = ("done", "__weakref__")
+    __slots__ = ("ended", "__weakref__")
 
-    def __init__(self):
-        self.done = False
+    def __init__(self, ended: list[bool]):
+        self.ended = ended
 
     def __call__(self) -> None:
-        self.done = True
+        self.ended[0] = True
+
+
+def callbacks_run(key: int) -> bool:
+    """Will an end-of-backward callback queued now run when the backward `key` (graph task id) ends normally? Not
+    outside a backward, nor in another graph task, nor while compiled autograd runs its graph (the engine then
+    drops what is queued from inside an op)."""
+    if key < 0 or key != torch._C._current_graph_task_id():
+        return False
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    return compiled_autograd is None or not compiled_autograd.in_compiled_autograd_region
+
+
+def _running(marker) -> bool:
+    return marker is not None and marker[0]() is not None and not marker[1][0]
+
+
+def _failed(marker) -> bool:
+    """Did the backward of `marker` raise (its callback dropped before it ran)?"""
+    return marker is not None and marker[0]() is None and not marker[1][0]
 
 
 class Backwards:
@@ -28,16 +49,19 @@ class Backwards:
 
     Backwards that overlap in time count as one: a backward started while a numbered one still runs (the nested
     backward of reentrant activation checkpointing, another thread's backward on a shared hook) gets its number.
-    A backward that raises ends with it. Firings outside any backward (calls by hand, graph task -1) count as
-    one backward, until a backward fires.
+    A backward that raises ends with it; with count_failed=False its number is given again to the next backward
+    (for `accumulation_steps=`: a failed backward is no micro-batch). Firings outside any backward (calls by hand,
+    graph task -1) count as one backward, until a backward fires.
     """
 
-    __slots__ = ("number", "_key", "_members", "_lock")
+    __slots__ = ("number", "count_failed", "_key", "_members", "_lock")
 
-    def __init__(self):
+    def __init__(self, count_failed: bool = True):
         self.number = 0  # of the current backward; 0 before the first
+        self.count_failed = count_failed
         self._key: int | None = None  # the graph task of the last firing
-        self._members: dict[int, weakref.ref | None] = {}  # graph tasks of the current number -> their marker
+        #: graph tasks of the current number -> (weak reference to its _Running, its `ended`), None outside a backward
+        self._members: dict[int, tuple | None] = {}
         self._lock = threading.Lock()
 
     def enter(self, key: int) -> None:
@@ -48,29 +72,31 @@ class Backwards:
             self._key = key
             if key in self._members:
                 return
-            running = any(marker is not None and (m := marker()) is not None and not m.done
-                          for marker in self._members.values())
-            if not running and (key != -1 or -1 not in self._members):
-                self.number += 1
+            members = self._members.values()
+            if not any(map(_running, members)) and (key != -1 or -1 not in self._members):
+                if self.count_failed or not members or not all(map(_failed, members)):
+                    self.number += 1
                 self._members = {}
             marker = None
-            if key != -1 and key == torch._C._current_graph_task_id():
-                m = _Running()
+            if callbacks_run(key):
+                ended = [False]
+                m = _Running(ended)
                 torch.autograd.Variable._execution_engine.queue_callback(m)
-                marker = weakref.ref(m)
+                marker = (weakref.ref(m), ended)
             self._members[key] = marker
 
 
 class EveryNthBackward:
     """`when=` of `register(..., accumulation_steps=steps)`: true in the backwards numbered steps, 2 * steps, ...
-    of those in which the registration fires (counted from 1, as `Backwards` counts them), false in the others.
+    of those in which the registration fires (counted from 1, as `Backwards` counts them; a backward that raised is
+    not counted), false in the others.
     """
 
     def __init__(self, steps: int):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"accumulation_steps= takes a whole number of micro-batches >= 1, not {steps!r}")
         self.steps = steps
-        self._backwards = Backwards()
+        self._backwards = Backwards(count_failed=False)
 
     @property
     def backwards(self) -> int:

@@ -102,7 +102,7 @@ def test_reentrant_checkpoint_backward_is_one_micro_batch():
         assert sorted(hook.stats.read()) == ([] if i == 0 else ["first.weight", "second.weight"])
 
 
-def test_a_backward_that_raises_still_counts_and_leaves_no_state():
+def test_a_backward_that_raises_is_not_counted_and_leaves_no_state():
     model = _model()
     hook = _clip_hook("reference")
     handle = hook.register(model, accumulation_steps=2)
@@ -113,12 +113,15 @@ def test_a_backward_that_raises_still_counts_and_leaves_no_state():
     def fail(grad):
         raise Boom
 
-    # the last layer's gradient fires (counting this backward), then autograd reaches the hook that raises
+    # the last layer's gradient fires, then autograd reaches the hook that raises: the backward is not counted
     model[0].weight.register_hook(fail)
     with pytest.raises(Boom):
         model(_batches(1)[0]).sum().backward()
     model.zero_grad()
     model[0].weight._backward_hooks.clear()
+    model(_batches(1)[0]).sum().backward()  # the first micro-batch
+    assert handle.when.backwards == 1
+    assert hook.stats.read() == {}
     model(_batches(1)[0]).sum().backward()  # the second micro-batch: processed
     assert handle.when.backwards == 2
     assert sorted(hook.stats.read()) == ["0.bias", "0.weight", "2.bias", "2.weight"]
@@ -169,3 +172,36 @@ def test_a_paused_backward_is_no_micro_batch():
         expected(x).pow(2).sum().backward()
     for p, q in zip(model.parameters(), expected.parameters()):
         torch.testing.assert_close(p.grad, q.grad.clamp(-0.5, 0.5) * 0.5, rtol=1e-6, atol=1e-7)
+
+
+class _RaisingBackward(torch.autograd.Function):
+    """The identity, whose backward raises (a NaN guard, an OOM): the parameters after it have fired by then."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FloatingPointError("a backward that raises")
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 25], ids=["per-firing", "buckets"])
+def test_a_backward_that_raises_is_no_micro_batch(bucket_mb, backend):
+    """The loop drops the failed micro-batch (zero_grad) and goes on: the next two backwards are micro-batches 1
+    and 2, the second processed, as with an eager hook gated by a count of the backwards that completed."""
+    model = _model()
+    hook = _clip_hook(backend)
+    hook.register(model, accumulation_steps=2, bucket_mb=bucket_mb)
+    batches = _batches(3)
+    with pytest.raises(FloatingPointError):
+        model[2](_RaisingBackward.apply(model[1](model[0](batches[0])))).pow(2).sum().backward()
+    model.zero_grad(set_to_none=True)
+    model(batches[1]).pow(2).sum().backward()
+    model(batches[2]).pow(2).sum().backward()
+    expected = _model()
+    for x in batches[1:]:
+        expected(x).pow(2).sum().backward()
+    for p, q in zip(model.parameters(), expected.parameters()):
+        assert torch.equal(p.grad, q.grad.clamp(-0.5, 0.5) * 0.5)
+    assert all(row.fresh for row in hook.stats.read().values())

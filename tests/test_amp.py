@@ -147,3 +147,57 @@ def test_a_grad_scaler_subclass_defined_later_bumps_versions_too():
         version = p.grad._version
         scaler.unscale_(opt)
         assert torch.equal(p.grad, torch.ones(3)) and p.grad._version > version, cls.__name__
+
+
+class _RaisingBackward(torch.autograd.Function):
+    """The identity, whose backward raises (an OOM, a NaN guard) after the layers behind it have fired."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FloatingPointError("a backward that raises")
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 25], ids=["per-firing", "buckets"])
+@pytest.mark.parametrize("backwards_per_step", [1, 2])
+def test_a_backward_that_raises_leaves_the_scalers_books_as_they_were(backend, bucket_mb, backwards_per_step):
+    """The failed backward's last layer fires on an overflowing gradient, then the backward raises; the loop drops
+    the iteration (zero_grad) and runs a clean one, of one backward or of two (on disjoint layers, their found_inf
+    summed). torch's recipe never reached unscale_ in the failed iteration: the clean step is taken, the scale kept;
+    an overflow in the clean iteration's first backward still skips its step."""
+    def run(use_hook, overflow_in_clean_step):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        if use_hook:
+            fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0), scaler=scaler, optimizer=opt,
+                         backend=backend).register(model, bucket_mb=bucket_mb)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+        with pytest.raises(FloatingPointError):
+            scaler.scale(model[2](_RaisingBackward.apply(model[1](model[0](x)))).sum() * float("inf")).backward()
+        opt.zero_grad(set_to_none=True)
+        first = float("inf") if overflow_in_clean_step else 1.0
+        if backwards_per_step == 1:
+            scaler.scale(model(x).sum() * first).backward()
+        else:
+            hidden = model[1](model[0](x))
+            scaler.scale(model[2](hidden.detach()).sum() * first).backward()
+            scaler.scale(hidden.sum()).backward()
+        if not use_hook:
+            scaler.unscale_(opt)
+            for p in model.parameters():
+                p.grad.clamp_(-1.0, 1.0)
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        stepped = not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        return stepped, scaler.get_scale(), [p.detach() for p in model.parameters()]
+
+    for overflow in (False, True):
+        stepped, scale, params = run(True, overflow)
+        expected_stepped, expected_scale, expected = run(False, overflow)
+        assert (stepped, scale) == (expected_stepped, expected_scale) == (not overflow, 2.0 if overflow else 4.0)
+        assert all(torch.equal(p, e) for p, e in zip(params, expected))
