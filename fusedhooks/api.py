@@ -140,8 +140,9 @@ class GradHook:
             raise TypeError(f"grad_hook takes a function, not {type(fn).__name__}")
         self._body: TracedBody = trace(fn if fn is not None else _identity)
         # every "cannot compile" error surfaces now, at decoration (of a body that reduces over dimensions: those
-        # that hold for a 6-d gradient; its fit to each parameter's shape is checked at register)
-        graph, _ = lower(self._body, torch.float32, REPRESENTATIVE_SHAPE)
+        # that hold for a 6-d gradient; its fit to each parameter's shape is checked at register), except Python
+        # numbers the gradient's dtype cannot hold: checked at register (or plan), for each gradient's dtype
+        graph, _ = lower(self._body, torch.float32, REPRESENTATIVE_SHAPE, check_ranges=False)
         #: the body reduces over some dimensions: it is lowered and planned for each gradient shape
         self.reduces_over_dims = graph.reduces_over_dims
         self._dims_warned = False

@@ -63,6 +63,7 @@ def families() -> dict[str, object]:
     over dimensions)."""
     from . import agc, grad_hook
 
+    scale = torch.tensor(0.5)
     return {
         "clip+scale+stats+hist": grad_hook(lambda g: g.clamp(-1.0, 1.0) * 0.5, stats="all",
                                            input_stats=("norm", "hist")),
@@ -71,6 +72,7 @@ def families() -> dict[str, object]:
         "standardise": grad_hook(lambda g: (g - g.mean()) / (g.std() + 1e-6)),
         "weight-decay(param)": grad_hook(lambda g, p: g + 1e-4 * p),
         "pow+selects": grad_hook(lambda g: torch.maximum(g.clamp(min=-1.0), g.abs() ** 1.7)),
+        "broadcast-result": grad_hook(lambda g: g.abs().amax() * scale, input_stats=("norm",)),  # a 0-dim result
         "agc(rows, one pass)": agc(0.01, stats=("norm",)),
         "column-norm(two passes)": grad_hook(lambda g: g / (g.norm(dim=0, keepdim=True) + 1e-6)),
         "factored(rows+columns+whole)": grad_hook(lambda g: g * (g * g).mean(dim=1, keepdim=True)

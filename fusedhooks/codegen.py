@@ -713,8 +713,10 @@ class _KernelWriter:
         if g.writes or self.plan.amp:
             r = g.result
             expr = em.result_value(ct)
-            if not r.full:
-                expr = f"({expr}) + tl.zeros([{em.block}], {ct})"
+            if r.kind == "const":
+                expr = f"tl.full([{em.block}], {_fill_value(r.value, ct)}, {ct})"
+            elif not r.full:  # without arithmetic, which would turn -0.0 into 0.0
+                expr = f"tl.broadcast_to({expr}, [{em.block}])"
             if g.grad_dtype in _ROUND and r.dtype != g.grad_dtype:
                 expr = f"{_ROUND[g.grad_dtype]}({expr})"
             lines += em.lines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import functools
 import inspect
 import numbers
 import operator
@@ -53,6 +54,15 @@ _ALIASES = {
     "clip": "clamp", "absolute": "abs", "negative": "neg", "multiply": "mul", "divide": "div",
     "true_divide": "div", "subtract": "sub", "greater": "gt", "greater_equal": "ge", "less": "lt",
     "less_equal": "le", "not_equal": "ne", "clip_min": "clamp_min", "clip_max": "clamp_max",
+}
+#: what to write instead of a tensor where an op takes only a Python number (NUMBER_ARGS)
+_NUMBER_ARG_HINTS = {
+    "pow": "; a tensor exponent (`x ** s`, `2 ** x`) is not supported",
+    "fill": "; to fill with a tensor `s`, write `x.copy_(s)`",
+    "full_like": "; for a tensor `s`, write `torch.zeros_like(x).copy_(s)`",
+    "add": "; for a tensor `s`, write `x + y * s`",
+    "sub": "; for a tensor `s`, write `x - y * s`",
+    "nan_to_num": "; for a tensor `s`, write `torch.where(x.isnan(), s, x)` (and likewise for the infinities)",
 }
 _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
                  "double": torch.float64}
@@ -130,6 +140,8 @@ class _LiftClosedTensors(TorchFunctionMode):
         args, kwargs = pytree.tree_map(lift, (args, kwargs))
         name = getattr(func, "__name__", "")
         if args and isinstance(args[0], fx.Proxy) and getattr(torch.Tensor, name, None) is func:
+            # `1 / s` is Tensor.__rdiv__ (torch's name for __rtruediv__), which fx.Proxy records as operator.div
+            name = "__rtruediv__" if name == "__rdiv__" else name
             return getattr(args[0], name)(*args[1:], **kwargs)  # a method: record call_method
         return func(*args, **kwargs)
 
@@ -278,13 +290,17 @@ def _meta(node: Node, shape):
     return torch.empty(shape if node.full else (), dtype=node.dtype, device="meta")
 
 
-def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph, tuple]:
+def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,), check_ranges: bool = True) -> tuple[Graph, tuple]:
     """Lower the traced body for gradients of `grad_dtype` and `shape`.
+
+    check_ranges: refuse Python numbers that torch refuses for the values' dtypes (False at decoration, where the
+    gradients' dtype is not known yet).
 
     Returns (graph, result_shape). Raises CompileError naming the offending op.
     """
     nodes: list[Node] = []
     metas: dict[int, object] = {}
+    checked_dtype = grad_dtype if check_ranges else None
     value_of: dict[str, Node] = {}     # alias root (fx node name) -> current value
     root_of: dict[str, str] = {}       # fx node name -> alias root
 
@@ -346,7 +362,8 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
                 result = arg(out, "return")
             elif is_number(out):
                 result = _op_node(add, "full_like", {"input": value_of[_first_placeholder(body)],
-                                                      "fill_value": out, "dtype": None}, metas, body, shape)
+                                                      "fill_value": out, "dtype": None}, metas, body, shape,
+                                  checked_dtype)
             else:
                 kind = next((k.__name__ for k in (tuple, list, dict) if isinstance(out, k)), type(out).__name__)
                 raise CompileError(f"cannot compile {body.name}: it returns a {kind}; a hook "
@@ -357,9 +374,11 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
             raw = list(fxn.args)
             if op in _CAST_METHODS:
                 op, raw = "to", raw + [_CAST_METHODS[fxn.target]]
-            if op == "pos":
-                value_of[fxn.name] = arg(raw[0], "pos")
-                root_of[fxn.name] = fxn.name
+            if op == "pos":  # torch.positive returns its operand itself
+                if arg(raw[0], "pos").dtype == torch.bool:
+                    raise CompileError(f"cannot compile {body.name}: the `+` operator on a bool value is not "
+                                       "supported (torch refuses it)")
+                root_of[fxn.name] = root_of[raw[0].name]
                 continue
             kwargs = dict(fxn.kwargs)
             if op == "norm":  # torch.norm (torch/functional.py) forwards its out=None, dtype=None to a traced tensor
@@ -388,12 +407,16 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
             for k in NUMBER_ARGS.get(op, ()):
                 v = bound.get(k)
                 if v is not None and not is_number(v):
-                    raise CompileError(f"cannot compile {body.name}: `{op}` needs a Python number for "
-                                       f"`{k}` (a compile-time constant), got {type(v).__name__}")
+                    got = "a tensor" if isinstance(v, fx.Node) else repr(v)
+                    raise CompileError(f"cannot compile {body.name}: `{op}` takes `{k}` only as a Python number (a "
+                                       f"compile-time constant), not {got}{_NUMBER_ARG_HINTS.get(op, '')}")
             for k in DTYPE_ARGS.get(op, ()):
                 v = bound.get(k)
                 if v is not None and not isinstance(v, torch.dtype):
                     raise CompileError(f"cannot compile {body.name}: `{op}` takes only a dtype here, got {v!r}")
+            if op == "to" and isinstance(bound["input"], fx.Node) and arg(bound["input"], op).dtype == bound["dtype"]:
+                root_of[fxn.name] = root_of[bound["input"].name]  # a cast to its own dtype returns the tensor itself
+                continue
             args = {}
             for k, v in bound.items():
                 if k in NUMBER_ARGS.get(op, ()) or k in DTYPE_ARGS.get(op, ()) or k == "rounding_mode":
@@ -415,7 +438,7 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
             if args.get("rounding_mode") is not None:
                 raise CompileError(f"cannot compile {body.name}: div(rounding_mode={args['rounding_mode']!r}) "
                                    "is not supported; only true division")
-            n = _op_node(add, op, args, metas, body, shape)
+            n = _op_node(add, op, args, metas, body, shape, checked_dtype)
             if pair:
                 pairs.add(fxn.name)
             if inplace:
@@ -431,7 +454,8 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,)) -> tuple[Graph,
                 if n.full != target.full and not target.full:
                     raise CompileError(f"cannot compile {body.name}: `{fxn.target}` would broadcast into a scalar")
                 if n.dtype != target.dtype:
-                    n = _op_node(add, "to", {"input": n, "dtype": target.dtype}, metas, body, shape)
+                    n = _op_node(add, "to", {"input": n, "dtype": target.dtype}, metas, body, shape,
+                                     checked_dtype)
                 value_of[root] = n
                 root_of[fxn.name] = root
                 continue
@@ -458,19 +482,15 @@ def _resolve_named(body: TracedBody, fxn: fx.Node) -> tuple[str, bool]:
         raise CompileError(f"cannot compile {body.name}: {e}") from None
 
 
-def _op_node(add, op: str, args: dict, metas: dict, body: TracedBody, shape) -> Node:
+def _op_node(add, op: str, args: dict, metas: dict, body: TracedBody, shape, checked_dtype) -> Node:
+    """The node of `op` on `args`; checked_dtype: the gradients' dtype, for `_check_numbers_fit` (None: unchecked)."""
     meta_args = {k: (metas[v.index] if isinstance(v, Node) else v) for k, v in args.items()}
     try:
         out = eager(op, meta_args)
     except Exception as e:
         raise CompileError(f"cannot compile {body.name}: `{op}` failed on these arguments: {e}") from None
-    fill = args.get({"full_like": "fill_value", "fill": "value"}.get(op, ""))
-    if fill is not None and out.dtype.is_floating_point:
-        try:  # what torch checks when it fills a real tensor (a meta one is not checked)
-            torch.full((2,), fill, dtype=out.dtype)  # (torch checks fills of more than one element)
-        except RuntimeError as e:
-            raise CompileError(f"cannot compile {body.name} for {out.dtype} gradients: `{op}` with {fill!r}: torch "
-                               f"raises ({e}); use a value {out.dtype} can hold") from None
+    if checked_dtype is not None:
+        _check_numbers_fit(body, op, args, out.dtype, checked_dtype)
     if out.dtype not in BODY_DTYPES:
         raise CompileError(f"cannot compile {body.name}: `{op}` gives dtype {out.dtype}; values in a hook body "
                            f"may be {', '.join(str(d).removeprefix('torch.') for d in BODY_DTYPES)}")
@@ -490,6 +510,43 @@ def _op_node(add, op: str, args: dict, metas: dict, body: TracedBody, shape) -> 
         operands = [meta_args[k] for k in ("input", "other") if k in meta_args]
         op_dtype = torch.result_type(*operands) if len(operands) == 2 else operands[0].dtype
     return add("op", out.dtype, full, out, op=op, args=args, op_dtype=op_dtype)
+
+
+def _check_numbers_fit(body: TracedBody, op: str, args: dict, dtype: torch.dtype, grad_dtype: torch.dtype) -> None:
+    """Refuse Python-number arguments of `op` (result `dtype`) that torch refuses for these operand dtypes ("value
+    cannot be converted to type ... without overflow": clamp bounds, where branches, fill values, alpha, exponents)."""
+    if is_reduction(op, args) or op == "unsqueeze":
+        return
+    numbers = {k: v.value if isinstance(v, Node) else v for k, v in args.items()
+               if (isinstance(v, Node) and v.kind == "const") or is_number(v)}
+    if not numbers:
+        return
+    operands = tuple((k, ("tensor", v.dtype, (2,) if v.full else (1,) * len(v.shape))
+                      if isinstance(v, Node) and v.kind != "const" else
+                      ("value", type(v.value), v.value) if isinstance(v, Node) else ("value", type(v), v))
+                     for k, v in args.items())
+    error = _torch_refuses(op, operands)
+    if error is None:
+        return
+    shown = ", ".join(f"{k}={v!r}" for k, v in numbers.items())
+    if dtype.is_floating_point:
+        fit = f" (at most {torch.finfo(dtype).max:g} in magnitude, or an infinity)"
+    else:
+        fit = f" ({torch.iinfo(dtype).min} to {torch.iinfo(dtype).max})" if dtype != torch.bool else ""
+    raise CompileError(f"cannot compile {body.name} for {grad_dtype} gradients: `{op}` with {shown} on a {dtype} "
+                       f"value: torch raises ({error}); use numbers a {dtype} value can hold{fit}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _torch_refuses(op: str, operands: tuple) -> str | None:
+    """torch's error when it runs `op` on real CPU tensors of these dtypes and shapes with these numbers (it checks
+    that a number fits the computation's dtype only on real tensors, a fill only of more than one element), or None.
+    operands: (argument, ("tensor", dtype, shape) or ("value", type, value)) pairs."""
+    try:
+        eager(op, {k: torch.zeros(spec[2], dtype=spec[1]) if spec[0] == "tensor" else spec[2] for k, spec in operands})
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def _check_inplace(body: TracedBody, method: str, target_meta, out_meta) -> None:

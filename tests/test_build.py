@@ -47,7 +47,8 @@ def test_every_kernel_family_builds(reports, target):
     families = {r["family"] for r in built}
     assert {"clip+scale+stats+hist", "clip+scale+stats+hist+amp", "clip+scale+stats+hist+shard", "stats-only",
             "normalise-by-norm", "standardise", "weight-decay(param)", "global-clip-scale", "agc(rows, one pass)",
-            "column-norm(two passes)", "factored(rows+columns+whole)", "pow+selects"} <= families
+            "column-norm(two passes)", "factored(rows+columns+whole)", "pow+selects",
+            "broadcast-result"} <= families
     assert {r["dtype"] for r in built} == {"fp32", "bf16", "fp16", "fp64"}
     assert len(built) == len(_of(reports, "cuda:90")), "every target builds the same kernels"
     assert all(r["registers"] for r in built), "the report names every kernel's registers"

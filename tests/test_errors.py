@@ -466,6 +466,86 @@ def test_fill_value_a_half_gradient_cannot_hold_rejected_at_register(body):
     hook.register(leaf(3, dtype=torch.bfloat16))  # in range
 
 
+#: (body, the op and number the message names, a gradient dtype torch refuses them for, one it accepts them for)
+NUMBERS_BEYOND_A_DTYPE = {
+    "clamp(-1e5, 1e5)": (lambda grad: grad.clamp(-1e5, 1e5), r"`clamp` with min=-100000.0, max=100000.0",
+                         torch.float16, torch.bfloat16),
+    "clamp(max=1e39)": (lambda grad: grad.clamp(max=1e39), r"`clamp` with max=1e\+39", torch.float32, torch.float64),
+    "clamp_min_(1e39)": (lambda grad: grad.clamp_min_(1e39), r"`clamp_min` with min=1e\+39", torch.bfloat16,
+                         torch.float64),
+    "clamp_max(-1e5)": (lambda grad: grad.clamp_max(-1e5), r"`clamp_max` with max=-100000.0", torch.float16,
+                        torch.float32),
+    "where(g > 0, g, 1e39)": (lambda grad: torch.where(grad > 0, grad, 1e39), r"`where` with other=1e\+39",
+                              torch.float32, torch.float16),
+    "add(alpha=1e39)": (lambda grad: grad.add(grad, alpha=1e39), r"`add` with alpha=1e\+39", torch.float32,
+                        torch.float64),
+    "full_like(1e6)": (lambda grad: torch.full_like(grad, 1e6), r"`full_like` with fill_value=1000000.0",
+                       torch.float16, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(NUMBERS_BEYOND_A_DTYPE))
+def test_numbers_torch_refuses_for_a_dtype_are_refused_at_register_and_plan(name, backend):
+    """torch raises "value cannot be converted to type ... without overflow" for these numbers on gradients of one
+    dtype and computes with them on another: the body compiles, and is refused at register or plan() for that dtype
+    only, naming the op, the number, the dtype and what to do (a kernel would have used inf, eager ops raised in
+    backward)."""
+    body, named, refused, accepted = NUMBERS_BEYOND_A_DTYPE[name]
+    with pytest.raises(RuntimeError, match="without overflow"):
+        body(torch.ones(3, dtype=refused))
+    body(torch.ones(3, dtype=accepted))
+    hook = fh.grad_hook(body, backend=backend)
+    message = (rf"cannot compile <lambda> for {refused} gradients: {named} on a {refused} value: torch raises "
+               rf"\(value cannot be converted to type .* without overflow\); use numbers a {refused} value can hold "
+               r"\(at most .* in magnitude, or an infinity\)")
+    with pytest.raises(fh.CompileError, match=message):
+        hook.register(leaf(3, dtype=refused))
+    assert hook.stats.names == []
+    with pytest.raises(fh.CompileError, match=message):
+        hook.plan(numel=8, dtype=refused)
+    hook.register(leaf(3, dtype=accepted))
+    assert hook.stats.names == ["param0"]
+
+
+def test_numbers_an_int_value_cannot_hold_are_refused_like_torch():
+    def body(grad):
+        return grad * (grad > 0).to(torch.int32).clamp(max=2**40)
+    with pytest.raises(RuntimeError, match="without overflow"):
+        body(torch.ones(3))
+    hook = fh.grad_hook(body)
+    with pytest.raises(fh.CompileError, match=r"`clamp` with max=1099511627776 on a torch.int32 value.*can hold "
+                                              r"\(-2147483648 to 2147483647\)"):
+        hook.register(leaf(3))
+
+
+S = torch.tensor(2.0)
+TENSOR_WHERE_A_NUMBER_GOES = {
+    "2 ** grad": (lambda grad: 2 ** grad, r"`pow` takes `exponent` only as a Python number .* not a tensor; a "
+                                           r"tensor exponent \(`x \*\* s`, `2 \*\* x`\) is not supported"),
+    "grad * (2 ** s)": (lambda grad: grad * (2 ** S), r"`pow` takes `exponent` only as a Python number"),
+    "grad ** s": (lambda grad: grad ** S, r"`pow` takes `exponent` only as a Python number"),
+    "grad.fill_(s)": (lambda grad: grad.fill_(S), r"`fill` takes `value` only as a Python number .* not a tensor; "
+                                                  r"to fill with a tensor `s`, write `x.copy_\(s\)`"),
+    "full_like(grad, s)": (lambda grad: torch.full_like(grad, S), r"write `torch.zeros_like\(x\).copy_\(s\)`"),
+    "add(alpha=s)": (lambda grad: grad.add(grad, alpha=S), r"`add` takes `alpha` only .* write `x \+ y \* s`"),
+}
+
+
+@pytest.mark.parametrize("name", list(TENSOR_WHERE_A_NUMBER_GOES))
+def test_a_tensor_where_only_a_number_compiles_is_refused_with_what_to_write(name):
+    body, message = TENSOR_WHERE_A_NUMBER_GOES[name]
+    with pytest.raises(fh.CompileError, match=message) as info:
+        fh.grad_hook(body)
+    assert "Node" not in str(info.value)
+
+
+def test_pos_of_a_bool_value_refused_as_torch_refuses_it():
+    with pytest.raises(RuntimeError, match="on a bool tensor is not supported"):
+        +torch.tensor([True])
+    with pytest.raises(fh.CompileError, match=r"the `\+` operator on a bool value is not supported"):
+        fh.grad_hook(lambda grad: torch.where(+(grad > 0), grad, 0.0))
+
+
 @pytest.mark.parametrize("bucket_mb", [float("inf"), float("nan"), -1, "25", True])
 def test_bad_bucket_mb_is_refused_by_name(hook, bucket_mb):
     with pytest.raises(ValueError, match="bucket_mb"):

@@ -415,3 +415,121 @@ def test_minimum_maximum_and_tensor_bounds_keep_signed_zeros_like_torch(name, dt
     with torch.no_grad():  # as in a backward (fired by hand with grad mode on, the eager backend's out= fails)
         fire(fh.grad_hook(body, backend=backend), grad, param)
     assert_same_bits(grad, expected)
+
+
+# --- aliases: torch returns the operand itself for `+x` and a cast to its own dtype ------------------------------
+
+def pos_snapshot(grad):
+    x = +grad          # x is grad: the mul_ below is seen through it
+    grad.mul_(2)
+    return x + grad
+
+
+def pos_inplace(grad):
+    (+grad).mul_(3)
+
+
+def float_clamp_inplace(grad):
+    grad.float().clamp_(-1.0, 1.0)      # clamps grad itself when it is float32, a copy otherwise
+
+
+def float_then_update(grad):
+    x = grad.float()
+    grad.mul_(2)
+    return x + grad
+
+
+def to_then_inplace(grad):
+    x = grad.to(torch.float32)
+    x.add_(1)
+    return grad * 2
+
+
+def every_cast_inplace(grad):
+    grad.double().mul_(3)
+    grad.half().add_(1)
+    grad.to(dtype=torch.bfloat16).neg_()
+
+
+def intermediate_cast_inplace(grad):
+    y = grad * 2
+    y.float().add_(1)
+    return y
+
+
+ALIAS_BODIES = {"+x then mul_": pos_snapshot, "(+x).mul_": pos_inplace, "float().clamp_": float_clamp_inplace,
+                "float() then mul_": float_then_update, "to(float32).add_": to_then_inplace,
+                "double/half/bfloat16 in place": every_cast_inplace,
+                "intermediate.float().add_": intermediate_cast_inplace}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(ALIAS_BODIES))
+def test_pos_and_casts_to_the_same_dtype_alias_like_torch(name, dtype, backend):
+    """In-place ops through `+x` or `x.float()` (on a float32 x) reach x, and in-place ops on x are seen through
+    them, as in torch (where they return x itself); a cast to another dtype stays a copy."""
+    body = ALIAS_BODIES[name]
+    grad = special_values(257, dtype)
+    expected = eager_expected(body, grad, grad)
+    fire(fh.grad_hook(body, backend=backend), grad)
+    assert_same_bits(grad, expected)
+
+
+# --- results broadcast into the gradient ----------------------------------------------------------------------
+
+SCALE_1X1 = torch.tensor([[0.5]])
+BROADCAST_BODIES = {
+    "return 0-dim -0.0": lambda g: NEG_ZERO,
+    "return -0.0 reduction": lambda g: -(g * 0.0).abs().sum(),
+    "g * 1x1 tensor": lambda g: g * SCALE_1X1,
+    "return -(0-dim 0.0)": lambda g: -ZERO,
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(BROADCAST_BODIES))
+def test_a_result_broadcast_into_the_gradient_keeps_signed_zeros(name, dtype, backend):
+    """A result not shaped like the gradient (0-dim, or broadcast from a 1x1 tensor) is copied into every element
+    bit for bit, -0.0 included, as torch's copy_ does."""
+    body = BROADCAST_BODIES[name]
+    grad = torch.tensor([[1.0, -0.0, 3.0], [-0.0, 2.0, -4.0]], dtype=dtype)
+    expected = eager_expected(body, grad, grad)
+    fire(fh.grad_hook(body, backend=backend), grad)
+    assert_same_bits(grad.flatten(), expected.flatten())
+
+
+# --- reflected operators with a closed-over tensor ------------------------------------------------------------
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+def test_reflected_operators_on_a_closed_over_tensor_match_torch(dtype, scale_dtype, backend):
+    """`1 / s` and `3 / s` are torch's `s.reciprocal() * c` (rounded in between), `1 - s`, `2 * s`, `0.5 + s` its
+    reflected ops: bit for bit on every backend."""
+    s = torch.tensor(3.0, dtype=scale_dtype)
+
+    def body(grad):
+        return grad * (1 / s) + (3 / s) * (1 - s) - 2 * s + (0.5 + s)
+
+    grad = special_values(257, dtype)
+    expected = eager_expected(body, grad, grad)
+    fire(fh.grad_hook(body, backend=backend), grad)
+    assert_same_bits(grad, expected)
+
+
+# --- Python numbers a dtype cannot hold, where torch accepts them ----------------------------------------------
+
+ACCEPTED_NUMBERS = {  # dtype -> bodies torch computes (an overflowing product, a replacement, a where branch)
+    torch.float32: [lambda g: g * 1e39, lambda g: torch.nan_to_num(g, posinf=1e39, neginf=-1e39)],
+    torch.float16: [lambda g: torch.where(g > 0, g, 1e5), lambda g: g + 1e5],
+    torch.bfloat16: [lambda g: g.clamp(-1e5, 1e5), lambda g: torch.where(g > 0, 1e39, g)],
+    torch.float64: [lambda g: g.clamp(-1e39, 1e39), lambda g: torch.full_like(g, 1e39)],
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
+def test_numbers_beyond_a_dtype_that_torch_accepts_compile_and_match(dtype, backend):
+    for body in ACCEPTED_NUMBERS[dtype]:
+        grad = special_values(257, dtype)
+        expected = eager_expected(body, grad, grad)
+        fire(fh.grad_hook(body, backend=backend), grad)
+        assert_same_bits(grad, expected)
