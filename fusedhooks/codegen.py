@@ -116,8 +116,9 @@ def literal(value, ctype: str) -> str:
     """A Python number as a Triton expression of type `ctype`."""
     if ctype == "tl.int1":
         return f"tl.full([], {int(bool(value))}, tl.int1)"
-    if ctype in ("tl.int32", "tl.int64"):
-        return f"tl.full([], {int(value)}, {ctype})"
+    if ctype in ("tl.int32", "tl.int64"):  # wrapped to the type's width, as torch converts a Python int
+        bits = 32 if ctype == "tl.int32" else 64
+        return f"tl.full([], {(int(value) + 2 ** (bits - 1)) % 2 ** bits - 2 ** (bits - 1)}, {ctype})"
     v = float(value)
     text = _float_text(v)
     return text if ctype == "tl.float32" and math.isfinite(v) else f"tl.full([], {text}, {ctype})"

@@ -28,6 +28,7 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Bit-identical values, the sign of every zero included (NaN only where NaN; its payload is not compared)."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual.dtype, expected.dtype)
     assert_same_values(actual, expected)
+    actual, expected = actual.reshape(-1), expected.reshape(-1)  # flat indices in the message
     zeros = expected == 0
     sign_a, sign_e = torch.signbit(actual[zeros]), torch.signbit(expected[zeros])
     bad = torch.nonzero(zeros).flatten()[sign_a != sign_e]

@@ -533,3 +533,24 @@ def test_numbers_beyond_a_dtype_that_torch_accepts_compile_and_match(dtype, back
         expected = eager_expected(body, grad, grad)
         fire(fh.grad_hook(body, backend=backend), grad)
         assert_same_bits(grad, expected)
+
+
+# --- Python ints beyond an int value's width -------------------------------------------------------------------
+
+INT_WRAP_BODIES = {
+    "int32 mask + 2**40": lambda g: g * ((g > 0).to(torch.int32) + 2 ** 40),
+    "int32 mask * 3e9": lambda g: g * ((g > 0).to(torch.int32) * 3_000_000_000),
+    "int32 mask == 2**32 + 1": lambda g: torch.where((g > 0).to(torch.int32) == 2 ** 32 + 1, g, -g),
+    "int32 mask - (2**64 - 1)": lambda g: g * ((g > 0).to(torch.int32) - (2 ** 64 - 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(INT_WRAP_BODIES))
+def test_python_ints_wrap_to_an_int32_value_as_torch_converts_them(name, backend):
+    """torch keeps an int32 value int32 against a Python int (a number does not promote) and converts the int to
+    int32 by wrapping it (two's complement)."""
+    body = INT_WRAP_BODIES[name]
+    grad = special_values(67, torch.float32)
+    expected = eager_expected(body, grad, grad)
+    fire(fh.grad_hook(body, backend=backend), grad)
+    assert_same_bits(grad, expected)
