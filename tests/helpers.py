@@ -7,6 +7,19 @@ from fusedhooks.reference import tensor_stats
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
+class RaisingBackward(torch.autograd.Function):
+    """The identity, whose backward raises FloatingPointError (an OOM, a NaN guard): the layers behind it have
+    fired by then, the ones before it never fire."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FloatingPointError("a backward that raises")
+
+
 def assert_same_values(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 0) -> None:
     """Elementwise identity (NaN where NaN; -0.0 == 0.0), or within `ulps` units in the last place."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual.dtype, expected.dtype)

@@ -7,6 +7,8 @@ import torch.utils.checkpoint
 
 import fusedhooks as fh
 
+from helpers import RaisingBackward
+
 
 def _clip_hook(backend):
     return fh.grad_hook(lambda grad: grad.clamp(-0.5, 0.5) * 0.5, stats=("norm", "count"), backend=backend)
@@ -174,17 +176,6 @@ def test_a_paused_backward_is_no_micro_batch():
         torch.testing.assert_close(p.grad, q.grad.clamp(-0.5, 0.5) * 0.5, rtol=1e-6, atol=1e-7)
 
 
-class _RaisingBackward(torch.autograd.Function):
-    """The identity, whose backward raises (a NaN guard, an OOM): the parameters after it have fired by then."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise FloatingPointError("a backward that raises")
-
 
 @pytest.mark.parametrize("bucket_mb", [None, 25], ids=["per-firing", "buckets"])
 def test_a_backward_that_raises_is_no_micro_batch(bucket_mb, backend):
@@ -195,7 +186,7 @@ def test_a_backward_that_raises_is_no_micro_batch(bucket_mb, backend):
     hook.register(model, accumulation_steps=2, bucket_mb=bucket_mb)
     batches = _batches(3)
     with pytest.raises(FloatingPointError):
-        model[2](_RaisingBackward.apply(model[1](model[0](batches[0])))).pow(2).sum().backward()
+        model[2](RaisingBackward.apply(model[1](model[0](batches[0])))).pow(2).sum().backward()
     model.zero_grad(set_to_none=True)
     model(batches[1]).pow(2).sum().backward()
     model(batches[2]).pow(2).sum().backward()

@@ -7,7 +7,7 @@ import torch
 
 import fusedhooks as fh
 
-from helpers import FLOAT_DTYPES, assert_same_values
+from helpers import FLOAT_DTYPES, RaisingBackward, assert_same_values
 
 
 def make_model():
@@ -149,17 +149,6 @@ def test_a_grad_scaler_subclass_defined_later_bumps_versions_too():
         assert torch.equal(p.grad, torch.ones(3)) and p.grad._version > version, cls.__name__
 
 
-class _RaisingBackward(torch.autograd.Function):
-    """The identity, whose backward raises (an OOM, a NaN guard) after the layers behind it have fired."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise FloatingPointError("a backward that raises")
-
 
 @pytest.mark.parametrize("bucket_mb", [None, 25], ids=["per-firing", "buckets"])
 @pytest.mark.parametrize("backwards_per_step", [1, 2])
@@ -177,7 +166,7 @@ def test_a_backward_that_raises_leaves_the_scalers_books_as_they_were(backend, b
                          backend=backend).register(model, bucket_mb=bucket_mb)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
         with pytest.raises(FloatingPointError):
-            scaler.scale(model[2](_RaisingBackward.apply(model[1](model[0](x)))).sum() * float("inf")).backward()
+            scaler.scale(model[2](RaisingBackward.apply(model[1](model[0](x)))).sum() * float("inf")).backward()
         opt.zero_grad(set_to_none=True)
         first = float("inf") if overflow_in_clean_step else 1.0
         if backwards_per_step == 1:
