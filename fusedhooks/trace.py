@@ -60,8 +60,8 @@ _NUMBER_ARG_HINTS = {
     "pow": "; a tensor exponent (`x ** s`, `2 ** x`) is not supported",
     "fill": "; to fill with a tensor `s`, write `x.copy_(s)`",
     "full_like": "; for a tensor `s`, write `torch.zeros_like(x).copy_(s)`",
-    "add": "; for a tensor `s`, write `x + y * s`",
-    "sub": "; for a tensor `s`, write `x - y * s`",
+    "add": "; for a tensor `s`, write `x + y * s` (which rounds `y * s` first)",
+    "sub": "; for a tensor `s`, write `x - y * s` (which rounds `y * s` first)",
     "nan_to_num": "; for a tensor `s`, write `torch.where(x.isnan(), s, x)` (and likewise for the infinities)",
 }
 _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
