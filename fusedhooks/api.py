@@ -293,7 +293,7 @@ class GradHook:
         that the hook sees local gradients (under DDP, before they are averaged), and process end-of-backward
         buckets at each firing from now on, before DDP's reducer (which Python cannot see) reads them. Without
         a process group, checked again at the next backward."""
-        if backward_key == self._distributed_seen:
+        if backward_key == self._distributed_seen or entry.ddp_ignored:
             return
         world = distributed.world_size()
         if world is None:
@@ -581,15 +581,16 @@ class GradHook:
                                  f"{stats_device}; register parameters of another device with another hook")
 
     def _register_pairs(self, pairs: list[tuple[str, torch.Tensor]], bucket_bytes: int,
-                        handle: RegistrationHandle) -> None:
+                        handle: RegistrationHandle, ddp_ignored: bool = False) -> None:
         """Register checked (name, tensor) pairs through torch's post-accumulate hooks, into `handle`; all or
-        nothing."""
+        nothing. ddp_ignored: parameters a DDP model registered with the hook ignores (see Entry)."""
         added, before = [], len(handle._items)
         try:
             for pname, t in pairs:
                 entry = self._add(pname, t)
                 added.append(entry)
                 entry.checked_shape = t.shape  # checked above
+                entry.ddp_ignored = ddp_ignored
                 entry.bucket_bytes = bucket_bytes
                 fire = self._buckets.torch_hook(entry) if bucket_bytes else self._at_firing(entry)
                 if handle.when is not None:
@@ -775,9 +776,8 @@ def named_tensors(target, name: str | None, auto_name):
     """(name, tensor) pairs of a register() target: a Tensor (`name`, or auto_name(())), an nn.Module (its
     parameters with requires_grad, `name` as a prefix) or an iterable of Tensors (auto_name(names so far))
     and (name, Tensor) pairs. Not checked here (see _check_param)."""
-    if isinstance(target, torch.nn.Module):
-        prefix = f"{name}." if name else ""
-        yield from ((prefix + n, p) for n, p in target.named_parameters() if p.requires_grad)
+    if isinstance(target, torch.nn.Module):  # FSDP2's sharded parameters, also while it holds unsharded ones
+        yield from distributed.current_parameters(target, name)
     elif isinstance(target, torch.Tensor):
         yield (name or auto_name(()), target)
     elif isinstance(target, Iterable) and not isinstance(target, (str, bytes)):

@@ -88,6 +88,10 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
                          "processes them; use static_graph=False")
     pairs = [(n, p) for n, p in hook._targets(ddp.module, name) if p.requires_grad]
     hook._check_targets(pairs)
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ignored}
+    local = [(n, p) for n, p in pairs if id(p) in ignored]  # DDP neither averages them nor passes them to its hook
+    pairs = [(n, p) for n, p in pairs if id(p) not in ignored]
     entries, added = {}, []
     try:
         for pname, p in pairs:
@@ -96,13 +100,19 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
             entry.checked_shape = p.shape
             entry.averaged = True
             entries[id(p)] = entry
-        state = _DDPState(hook, ddp.process_group, entries)
-        try:
-            ddp.register_comm_hook(state, _comm_hook)
-        except RuntimeError as e:
-            raise RuntimeError(f"{e} (fusedhooks processes the averaged gradients in a DDP communication hook of "
-                               "its own, and DDP takes one per model: register the fusedhooks hook on a DDP model "
-                               "without a communication hook)") from e
+        removed = next((s for h, s in getattr(ddp, "_comm_hooks", ()) if h is _comm_hook and not s.active), None)
+        if removed is not None:  # an earlier register(ddp_model), removed: DDP keeps its hook, which we take over
+            state = removed
+            state.hook, state.entries, state.running = weakref.ref(hook), entries, weakref.WeakValueDictionary()
+            state.active = True
+        else:
+            state = _DDPState(hook, ddp.process_group, entries)
+            try:
+                ddp.register_comm_hook(state, _comm_hook)
+            except RuntimeError as e:
+                raise RuntimeError(f"{e} (fusedhooks processes the averaged gradients in a DDP communication hook "
+                                   "of its own, and DDP takes one per model: register the fusedhooks hook on a DDP "
+                                   "model without a communication hook)") from e
     except BaseException:
         hook.registry.discard(added)
         raise
@@ -110,6 +120,12 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
     for _, p in pairs:
         handle._add(p, _NoTorchHook(), hook.registry)
     handle._on_remove.append(lambda: setattr(state, "active", False))
+    if local:  # processed at their own firing: their gradient is each rank's own, which is all DDP gives them
+        try:
+            hook._register_pairs(local, 0, handle, ddp_ignored=True)
+        except BaseException:
+            handle.remove()
+            raise
     return handle
 
 
@@ -458,6 +474,12 @@ class _FollowParameters:
             return
         fingerprint = _fingerprint(mod)
         if fingerprint == self.seen:
+            if self._replaced_around(mod):
+                raise RuntimeError(
+                    f"{self.hook.__name__} was registered on this {type(mod).__name__}'s parameters, which have been "
+                    "replaced since (by fully_shard applied to a module around it, or by assignment): the hook would "
+                    "never fire. Register the hook after fully_shard (or on the module given to fully_shard, whose "
+                    "registration follows it)")
             return
         self.seen = fingerprint
         hook, handle = self.hook, self.handle
@@ -472,6 +494,18 @@ class _FollowParameters:
         handle._items.clear()
         hook._check_targets(pairs)
         hook._register_pairs(pairs, self.bucket_bytes, handle)
+
+    def _replaced_around(self, mod: torch.nn.Module) -> bool:
+        """Are the registered tensors no longer the module's parameters though no module of it was fully_shard'ed
+        (its classes are as they were)? Checked on the first one (it is the module's first, unless replaced); one
+        collected while the module still has parameters was replaced (the module held it)."""
+        items = self.handle._items
+        if not items:
+            return False
+        first = items[0][0]()
+        if first is None:
+            return next(mod.parameters(), None) is not None
+        return not is_dtensor(first) and all(p is not first for p in mod.parameters())
 
     def __reduce__(self):
         return _NotFollowing, ()

@@ -40,6 +40,7 @@ class Entry:
     bucket_bytes: int = 0  # > 0: processed in end-of-backward buckets of this many gradient bytes
     torch_hook_id: int | None = None  # our key in the tensor's _post_accumulate_grad_hooks
     averaged: bool = False  # registered through DDP's communication hook (register(ddp_model))
+    ddp_ignored: bool = False  # of register(ddp_model), a parameter DDP ignores: its own gradient, at its firing
     sharded: bool | None = None  # the tensor is a DTensor (FSDP2); None: not known yet (its first firing)
     measured: Measurement | None = None
 

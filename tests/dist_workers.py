@@ -250,6 +250,7 @@ def ddp_all(rank: int, world: int, device) -> None:
     ddp_agc(rank, world, device)
     ddp_local(rank, world, device)
     ddp_refusals(rank, world, device)
+    ddp_registrations(rank, world, device)
 
 
 # --- FSDP2 -----------------------------------------------------------------------------------------------
@@ -323,6 +324,7 @@ def fsdp_dims(rank: int, world: int, device) -> None:
 def fsdp(rank: int, world: int, device) -> None:
     fsdp_dims(rank, world, device)
     fsdp_elementwise(rank, world, device)
+    fsdp_registration_windows(rank, world, device)
 
 
 def fsdp_elementwise(rank: int, world: int, device) -> None:
@@ -411,3 +413,74 @@ def fsdp_elementwise(rank: int, world: int, device) -> None:
             assert torch.equal(torch.nn.utils.clip_grad_norm_(params, 0.02, math.inf).full_tensor(), total_inf)
         for model in (model_a, model_b, ref):
             model.zero_grad()
+
+
+def fsdp_registration_windows(rank: int, world: int, device) -> None:
+    """FSDP2: a hook registered on the root between its forward and backward (it holds unsharded parameters then)
+    goes on the sharded ones all the same (each rank's reduced shard, whole-parameter statistics); one registered
+    on a submodule before fully_shard of the root (which replaces its parameters without changing its class) is
+    refused at the next forward instead of never firing."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fusedhooks as fh
+    from fusedhooks.distributed import is_dtensor
+
+    base = _fsdp_mlp(device)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    fully_shard(model)
+    x = _batch(rank, 0, 0, 5, device)
+    loss = _loss(model, x)  # the root keeps its parameters unsharded until backward
+    hook = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP), stats=("norm",))
+    hook.register(model)
+    assert len(hook.registry) == 4 and all(is_dtensor(e.tensor) for e in hook.registry)  # the sharded ones
+    loss.backward()
+    _loss(ref, x).backward()
+    reading = hook.stats.read()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        expected = _averaged(q.grad, world).clamp(-CLAMP, CLAMP)
+        assert torch.allclose(p.grad.to_local(), _shard(expected, rank, world), rtol=1e-5, atol=1e-8), name
+        assert math.isclose(reading[name]["norm"], p.grad.full_tensor().double().norm().item(), rel_tol=1e-6), name
+    gathered = [None] * world
+    dist.all_gather_object(gathered, reading)
+    assert all(r == gathered[0] for r in gathered), "statistics differ between ranks"
+
+    inner = copy.deepcopy(base)
+    before = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP))
+    before.register(inner[2])  # a submodule, not itself fully_shard'ed
+    fully_shard(inner)
+    _raises(RuntimeError, "replaced since", lambda: _loss(inner, x))
+
+
+def ddp_registrations(rank: int, world: int, device) -> None:
+    """register(ddp_model): a parameter DDP ignores is processed at its own firing (its gradient is each rank's
+    own, which is all DDP gives it), with no LocalGradientWarning; after handle.remove() the model can be registered
+    again (DDP keeps its communication hook, which the new registration takes over)."""
+    import fusedhooks as fh
+
+    model = _mlp(device)
+    ref = copy.deepcopy(model)
+    ignored = [n for n, _ in model.named_parameters()][-2:]
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    hook = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP), stats=("norm",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fh.LocalGradientWarning)
+        handle = hook.register(ddp)
+        x = _batch(rank, 0, 0, 16, device)
+        _loss(ddp, x).backward()
+    _loss(ref, x).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        local = q.grad if name in ignored else _averaged(q.grad, world)
+        assert torch.allclose(p.grad, local.clamp(-CLAMP, CLAMP), rtol=1e-6, atol=1e-8), name
+    assert sorted(hook.stats.read()) == sorted(n for n, _ in model.named_parameters())
+
+    handle.remove()
+    ddp.zero_grad()
+    ref.zero_grad()
+    again = fh.grad_hook(lambda g: g * 0.5)
+    again.register(ddp)
+    _loss(ddp, x).backward()
+    _loss(ref, x).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        local = q.grad if name in ignored else _averaged(q.grad, world)
+        assert torch.allclose(p.grad, local * 0.5, rtol=1e-6, atol=1e-8), name
