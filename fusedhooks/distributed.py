@@ -481,19 +481,18 @@ class _FollowParameters:
                     "never fire. Register the hook after fully_shard (or on the module given to fully_shard, whose "
                     "registration follows it)")
             return
-        self.seen = fingerprint
         hook, handle = self.hook, self.handle
         pairs = current_parameters(mod, self.prefix)
         now = {id(t) for t in handle.tensors}
-        if {id(t) for _, t in pairs} == now:
-            return
-        for _, torch_handle, _ in handle._items:
-            torch_handle.remove()
-        for t in handle.tensors:
-            hook.registry.remove(t)
-        handle._items.clear()
-        hook._check_targets(pairs)
-        hook._register_pairs(pairs, self.bucket_bytes, handle)
+        if {id(t) for _, t in pairs} != now:
+            for _, torch_handle, _ in handle._items:
+                torch_handle.remove()
+            for t in handle.tensors:
+                hook.registry.remove(t)
+            handle._items.clear()
+            hook._check_targets(pairs)
+            hook._register_pairs(pairs, self.bucket_bytes, handle)
+        self.seen = fingerprint  # only once followed: a refusal is raised again at every forward, never silent
 
     def _replaced_around(self, mod: torch.nn.Module) -> bool:
         """Are the registered tensors no longer the module's parameters though no module of it was fully_shard'ed

@@ -450,6 +450,13 @@ def fsdp_registration_windows(rank: int, world: int, device) -> None:
     fully_shard(inner)
     _raises(RuntimeError, "replaced since", lambda: _loss(inner, x))
 
+    whole = copy.deepcopy(base)
+    norm_hook = fh.grad_hook(lambda g: g / g.norm())  # a whole-tensor reduction: refused on sharded parameters
+    norm_hook.register(whole)
+    fully_shard(whole)
+    for _ in range(2):  # at every forward, not only the first: a caught refusal never leaves the hook silent
+        _raises(fh.CompileError, "would be computed per shard", lambda: _loss(whole, x))
+
 
 def ddp_registrations(rank: int, world: int, device) -> None:
     """register(ddp_model): a parameter DDP ignores is processed at its own firing (its gradient is each rank's
