@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import torch
 
+from . import gates
 from .api import GradHook, RegistrationHandle, _check_param, named_tensors
 
 
@@ -33,7 +35,8 @@ class AdaptiveClip:
         afterwards:                  h = min(ratio * gamma / ||g||, 1)    g <- h * g
                                      gamma = beta * gamma + (1 - beta) * ||g||
 
-    (||g|| after the assignment is the clipped norm; h = 1 when ||g|| = 0.) The paper's warm-up clips
+    (||g|| after the assignment is the clipped norm; h = 1 when ||g|| = 0; a non-finite ||g||, an overflow that
+    GradScaler skips, leaves gamma as it was.) The paper's warm-up clips
     by the global norm; a per-parameter hook sees one tensor, so the warm-up threshold applies per
     tensor here. That is what makes it usable where global clipping is not: optimizer-in-backward,
     FSDP2 shards. The state lives on the device (`state(name)` -> tensor [gamma, step]); nothing syncs.
@@ -45,17 +48,23 @@ class AdaptiveClip:
                  backend: str | None = None):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"beta must be in [0, 1), got {beta}")
-        if ratio <= 0 or max_norm <= 0 or warmup_steps < 0:
-            raise ValueError("ratio and max_norm must be > 0 and warmup_steps >= 0")
+        for option, value in (("ratio", ratio), ("max_norm", max_norm)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{option} must be a finite number > 0, got {value!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a whole number >= 0, got {warmup_steps!r}")
         self.beta, self.ratio, self.warmup_steps, self.max_norm = beta, ratio, warmup_steps, max_norm
         self.backend = backend
         self._hooks: dict[str, GradHook] = {}
         self._states: dict[str, torch.Tensor] = {}
 
-    def register(self, target, name: str | None = None) -> RegistrationHandle:
+    def register(self, target, name: str | None = None, accumulation_steps: int | None = None,
+                 when=None) -> RegistrationHandle:
         """Register on a leaf Tensor, an nn.Module or an iterable of them (as GradHook.register), all or
         nothing. Each tensor gets its own compiled hook (its state is a closed-over device tensor), registered
-        through `GradHook.register`, and an update of its state right after it."""
+        through `GradHook.register`, and an update of its state right after it, which runs only when the hook
+        processed the gradient (accumulation_steps=, when=, paused(): as GradHook's)."""
+        gates.parse(accumulation_steps, when)  # checked before anything is registered
         pairs = list(named_tensors(target, name, lambda taken: f"param{len(self._hooks) + len(taken)}"))
         names = set()
         for pname, t in pairs:
@@ -69,10 +78,15 @@ class AdaptiveClip:
                 state = torch.tensor([math.inf, 0.0], dtype=torch.float32, device=t.device)
                 hook = GradHook(_adagc_body(state, self.ratio, self.max_norm, self.warmup_steps), stats=("norm",),
                                 input_stats=("norm",), backend=self.backend)
-                handle._extend(hook.register(t, name=pname))
+                registration = hook.register(t, name=pname, accumulation_steps=accumulation_steps, when=when)
+                gate = registration.when
+                handle._extend(registration)
                 self._hooks[pname], self._states[pname] = hook, state
                 handle._on_remove.append(functools.partial(self._forget, pname, hook))
-                handle._add(t, t.register_post_accumulate_grad_hook(self._update(hook, state)))
+                update = self._update(hook, state)
+                if gate is not None:  # the hook's own gate: the same decision in the same backward
+                    update = gates.gated(update, gate, lambda hook=hook: hook._paused)
+                handle._add(t, t.register_post_accumulate_grad_hook(update))
         except BaseException:
             handle.remove()
             raise
@@ -90,15 +104,24 @@ class AdaptiveClip:
         row = len(hook.stats.names) - 1  # hook is registered on this one tensor
 
         def update(param: torch.Tensor) -> None:
-            if param.grad is None:
+            if param.grad is None or hook._paused:
                 return
             clipped = hook.stats.tensor[row, slot].to(torch.float32)
             gamma, step = state[0], state[1]
             updated = torch.where(step < warmup, torch.minimum(gamma, clipped), beta * gamma + (1 - beta) * clipped)
-            gamma.copy_(updated)
+            gamma.copy_(torch.where(clipped.isfinite(), updated, gamma))
             step.add_(1)
 
         return update
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Within this block no parameter is clipped and no state changes (gradient accumulation: clip once, on
+        the accumulated gradient of the last micro-batch, outside the block); as GradHook.paused()."""
+        with contextlib.ExitStack() as stack:
+            for hook in list(self._hooks.values()):
+                stack.enter_context(hook.paused())
+            yield self
 
     def state(self, name: str) -> torch.Tensor:
         """The device tensor [gamma, step] of parameter `name` (float32)."""

@@ -73,6 +73,51 @@ def test_adaptive_clip_refuses_bad_options():
         fh.adaptive_clip(beta=1.0)
     with pytest.raises(ValueError, match="ratio"):
         fh.adaptive_clip(ratio=0)
+    for option, bad in [("ratio", math.nan), ("max_norm", math.nan), ("max_norm", math.inf), ("ratio", True),
+                        ("warmup_steps", 2.5), ("warmup_steps", True), ("warmup_steps", -1)]:
+        with pytest.raises(ValueError, match=option):
+            fh.adaptive_clip(**{option: bad})
     clip = fh.adaptive_clip()
     with pytest.raises(ValueError, match="require"):
         clip.register(torch.zeros(3))
+
+
+def test_a_non_finite_gradient_leaves_the_state_as_it_was(backend):
+    """An overflow (which GradScaler skips) clips to NaN; the EMA of the clipped norms must not become NaN."""
+    p = torch.zeros(4, requires_grad=True)
+    clip = fh.adaptive_clip(warmup_steps=1, max_norm=2.0, backend=backend)
+    clip.register(p, name="p")
+    (p * torch.tensor([1.0, 1.0, 0.0, 0.0])).sum().backward()   # warm-up: gamma = ||g|| = sqrt(2)
+    gamma = clip.state("p")[0].item()
+    p.grad = None
+    (p * torch.tensor([math.inf, 1.0, 1.0, 1.0])).sum().backward()
+    assert clip.state("p")[0].item() == gamma
+    p.grad = None
+    (p * torch.tensor([3.0, 0.0, 0.0, 0.0])).sum().backward()
+    assert torch.isfinite(p.grad).all() and p.grad[0].item() == pytest.approx(1.05 * gamma, rel=1e-6)
+
+
+@pytest.mark.parametrize("how", ["accumulation_steps", "paused"])
+def test_gradient_accumulation_clips_and_steps_once_per_accumulated_gradient(how, backend):
+    def run():
+        p = torch.zeros(3, requires_grad=True)
+        clip = fh.adaptive_clip(warmup_steps=1, max_norm=1.0, backend=backend)
+        clip.register(p, name="p", accumulation_steps=2 if how == "accumulation_steps" else None)
+        for step in range(3):
+            for micro in range(2):
+                g = torch.tensor([1.0, 2.0, 2.0]) * (step + 1) * (micro + 1)
+                if how == "paused" and micro == 0:
+                    with clip.paused():
+                        (p * g).sum().backward()
+                else:
+                    (p * g).sum().backward()
+            yield p.grad.clone()
+            p.grad = None
+        yield clip.read()["p"]["step"]
+
+    expected = adagc_reference([[torch.tensor([1.0, 2.0, 2.0]) * (s + 1) * 3] for s in range(3)], beta=0.98,
+                               ratio=1.05, warmup_steps=1, max_norm=1.0)[0]
+    got = list(run())
+    for step in range(3):
+        torch.testing.assert_close(got[step], expected[step][0], rtol=1e-6, atol=0)
+    assert got[3] == 3  # one step per accumulated gradient
