@@ -392,6 +392,11 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,), check_ranges: b
                     raise CompileError(f"cannot compile {body.name}: `{op}(dim)` takes one dimension, an int, as "
                                        f"torch's does (amax/amin take a tuple); got {dim!r}")
                 kwargs["dim"] = dim
+                if len(raw) > 1:  # max(dim, keepdim) positionally
+                    if "keepdim" in kwargs or len(raw) > 2:
+                        raise CompileError(f"cannot compile {body.name}: `{op}(dim, keepdim)` takes no more "
+                                           "arguments")
+                    kwargs["keepdim"] = raw.pop(1)
                 op = "amax" if op == "max" else "amin"
             try:
                 bound = bind(op, tuple(raw), kwargs)

@@ -55,6 +55,8 @@ BODIES = {
                  / ((g * g).mean(dim=1).mean() + 1), [(5, 13), (70, 3)]),  # Adafactor's row and column means
     "max_min_values": (lambda g: g / (g.max(dim=1).values.unsqueeze(1) - torch.min(g, 1, keepdim=True)[0] + 1),
                        [(5, 13), (1, 9), (9, 1)]),
+    "max_min_positional_keepdim": (lambda g: g / (g.max(1, True)[0] - torch.min(g, 1, True).values + 1),
+                                   [(5, 13), (9, 1)]),
 }
 CASES = [(name, shape) for name, (_, shapes) in BODIES.items() for shape in shapes]
 
