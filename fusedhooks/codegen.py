@@ -39,7 +39,7 @@ class LaunchSpec:
     "grad", "param" (pointers to the spans), "scalar<i>" (closed-over 0-dim tensors), "scale", "found_inf"
     (AMP), "reduced" (fp64 [n_reductions] per tensor), "stats" (the row, or the whole buffer for a bucket),
     "partials" (fp64 [programs, partial_sets, PARTIAL_WIDTH]), "counter" (int32, one per tensor), "hist"
-    (int32 [hist_sets, hist_pad] per tensor), "numel", "table" (int64, TABLE_PARTS then programs),
+    (int64 [hist_sets, hist_pad] per tensor), "numel", "table" (int64, TABLE_PARTS then programs),
     "n_tensors", then the constexprs "ALIGNED", "BLOCK", "RBLOCK".
     kernels / single_kernels / multi_kernels: the kernels launched, in order, on a grid of several programs,
     on a grid of one program, and for a bucket.
@@ -81,7 +81,7 @@ class LaunchSpec:
 
     @property
     def hist_values(self) -> int:
-        """int32 histogram accumulators per tensor."""
+        """int64 histogram accumulators per tensor."""
         return self.hist_sets * self.hist_pad
 
 _COMPUTE = {
@@ -525,7 +525,7 @@ class _KernelWriter:
                      ("counter", f"counter_ptr,  # *int32 [1]: {per}programs finished; the last one merges and "
                                  "resets it to 0")]
         if self.hist_sets:
-            args.append(("hist", f"hist_ptr,  # *int32 [{len(self.hist_sets)}, HIST_PAD]: {per}histogram "
+            args.append(("hist", f"hist_ptr,  # *int64 [{len(self.hist_sets)}, HIST_PAD]: {per}histogram "
                                  "accumulators, zeroed by the last program"))
         if not self.multi:
             args.append(("numel", "numel,  # elements in the span"))

@@ -140,7 +140,7 @@ class Workspace:
 WORKSPACE_BUFFERS = {
     "partials": (torch.float64, False), "reduced": (torch.float64, False), "units": (torch.float64, False),
     "unit_partials": (torch.float64, False), "counter": (torch.int32, True), "unit_counters": (torch.int32, True),
-    "hist": (torch.int32, True),
+    "hist": (torch.int64, True),
 }
 
 

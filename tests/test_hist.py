@@ -90,3 +90,23 @@ def test_histogram_before_any_firing_is_refused(backend):
     hook.stats.reset()
     with pytest.raises(KeyError, match="has not fired"):
         hook.stats.histogram("w")
+
+
+@pytest.mark.parametrize("programs", ["one", "several"])
+def test_a_bin_counts_past_2_to_the_31(programs, monkeypatch):
+    """A bin of one gradient may hold 2**31 elements or more (the zero rows of a 262144 x 8192 embedding): the
+    kernels' accumulators are int64. Made cheap by starting bin 0's accumulator just below 2**31 (the workspace
+    buffer the kernels add into; they leave it zeroed)."""
+    if programs == "several":
+        monkeypatch.setenv("FUSEDHOOKS_BLOCK", "64")
+    hook = fh.grad_hook(stats=("hist",), backend="triton")
+    grad = torch.zeros(1000)
+    grad[:10] = 1.0
+    param = fire(hook, grad)  # sizes the workspace
+    accumulators = hook.workspace(grad.device).buffer("hist", 1)
+    assert accumulators.dtype == torch.int64 and not accumulators.any()
+    accumulators[0] = 2**31 - 5
+    hook(param)
+    counts, _ = hook.stats.histogram("param0")
+    assert counts[0].item() == 2**31 - 5 + 990 and int(counts.sum()) == 2**31 - 5 + 1000
+    assert not accumulators.any()

@@ -125,7 +125,8 @@ def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel,
 
 @triton.jit
 def hist_accumulate(x, mask, hist_ptr, LO: tl.constexpr, BINS: tl.constexpr, PAD: tl.constexpr):
-    """Add this block's power-of-two histogram of |x| into hist_ptr (*int32 [PAD], atomically).
+    """Add this block's power-of-two histogram of |x| into hist_ptr (*int64 [PAD], atomically: a bin of one
+    gradient may count 2**31 elements or more).
 
     Bin k counts floor(log2|x|) == LO + k; zeros and smaller values go to bin 0, larger values and
     +-Inf to bin BINS-1; NaN and masked lanes to the spare bin BINS (not flushed). The exponent is
@@ -139,13 +140,13 @@ def hist_accumulate(x, mask, hist_ptr, LO: tl.constexpr, BINS: tl.constexpr, PAD
     bins = tl.where(mask & (x == x), bins, BINS)
     counts = tl.histogram(bins, PAD)
     slots = tl.arange(0, PAD)
-    tl.atomic_add(hist_ptr + slots, counts, mask=slots < BINS)
+    tl.atomic_add(hist_ptr + slots, counts.to(tl.int64), mask=slots < BINS)
 
 
 @triton.jit
 def hist_flush(hist_ptr, out_ptr, BINS: tl.constexpr, PAD: tl.constexpr):
-    """Copy the accumulated histogram (*int32 [PAD]) into out_ptr (*fp64 [BINS]) and zero it."""
+    """Copy the accumulated histogram (*int64 [PAD]) into out_ptr (*fp64 [BINS]) and zero it."""
     slots = tl.arange(0, PAD)
     counts = tl.load(hist_ptr + slots, mask=slots < BINS, other=0, cache_modifier=".cg")
     tl.store(out_ptr + slots, counts.to(tl.float64), mask=slots < BINS)
-    tl.store(hist_ptr + slots, tl.zeros([PAD], dtype=tl.int32), mask=slots < BINS)
+    tl.store(hist_ptr + slots, tl.zeros([PAD], dtype=tl.int64), mask=slots < BINS)
