@@ -5,11 +5,18 @@ import os
 import sys
 
 
+def _steps(text: str) -> int:
+    steps = int(text)
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"takes a number of steps >= 1, not {steps}")
+    return steps
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedhooks", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small model with a compiled clip + statistics hook")
-    demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    demo.add_argument("--steps", type=_steps, default=20, help="training steps (default 20)")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     demo.add_argument("--backend", default="auto", choices=("auto", "triton", "eager", "reference"),
                       help="on CPU, 'auto' runs the Triton kernels in the interpreter (TRITON_INTERPRET=1)")

@@ -54,6 +54,7 @@ class AdaptiveClip:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a whole number >= 0, got {warmup_steps!r}")
         self.beta, self.ratio, self.warmup_steps, self.max_norm = beta, ratio, warmup_steps, max_norm
+        GradHook(stats=(), backend=backend)  # refuses a backend it does not know, now rather than at register()
         self.backend = backend
         self._hooks: dict[str, GradHook] = {}
         self._states: dict[str, torch.Tensor] = {}
@@ -64,7 +65,7 @@ class AdaptiveClip:
         nothing. Each tensor gets its own compiled hook (its state is a closed-over device tensor), registered
         through `GradHook.register`, and an update of its state right after it, which runs only when the hook
         processed the gradient (accumulation_steps=, when=, paused(): as GradHook's)."""
-        gates.parse(accumulation_steps, when)  # checked before anything is registered
+        gate = gates.parse(accumulation_steps, when)  # one for all the tensors: they count the same micro-batches
         pairs = list(named_tensors(target, name, lambda taken: f"param{len(self._hooks) + len(taken)}"))
         names = set()
         for pname, t in pairs:
@@ -78,13 +79,11 @@ class AdaptiveClip:
                 state = torch.tensor([math.inf, 0.0], dtype=torch.float32, device=t.device)
                 hook = GradHook(_adagc_body(state, self.ratio, self.max_norm, self.warmup_steps), stats=("norm",),
                                 input_stats=("norm",), backend=self.backend)
-                registration = hook.register(t, name=pname, accumulation_steps=accumulation_steps, when=when)
-                gate = registration.when
-                handle._extend(registration)
+                handle._extend(hook.register(t, name=pname, when=gate))
                 self._hooks[pname], self._states[pname] = hook, state
                 handle._on_remove.append(functools.partial(self._forget, pname, hook))
                 update = self._update(hook, state)
-                if gate is not None:  # the hook's own gate: the same decision in the same backward
+                if gate is not None:  # the registration's gate: the same decision as the hook's in each backward
                     update = gates.gated(update, gate, lambda hook=hook: hook._paused)
                 handle._add(t, t.register_post_accumulate_grad_hook(update))
         except BaseException:

@@ -131,6 +131,7 @@ class GradHook:
             raise TypeError(f"scaler= takes a torch.amp.GradScaler, not {type(scaler).__name__}")
         self.scaler, self.optimizer = scaler, optimizer
         self._found_inf: dict[torch.device, torch.Tensor] = {}
+        self._found_inf_holder: dict[torch.device, weakref.ref | None] = {}  # the running backward using it
         #: graph task id -> what its firings found for the scaler, held by its end-of-backward callback
         self._amp_backwards: weakref.WeakValueDictionary[int, amp.BackwardBooks] = weakref.WeakValueDictionary()
         self._paused = False  # while any paused() block runs, in any thread
@@ -142,7 +143,7 @@ class GradHook:
         # every "cannot compile" error surfaces now, at decoration (of a body that reduces over dimensions: those
         # that hold for a 6-d gradient; its fit to each parameter's shape is checked at register), except Python
         # numbers the gradient's dtype cannot hold: checked at register (or plan), for each gradient's dtype
-        graph, _ = lower(self._body, torch.float32, REPRESENTATIVE_SHAPE, check_ranges=False)
+        graph, _ = lower(self._body, torch.float32, REPRESENTATIVE_SHAPE, dtype_known=False)
         #: the body reduces over some dimensions: it is lowered and planned for each gradient shape
         self.reduces_over_dims = graph.reduces_over_dims
         self._dims_warned = False
@@ -346,18 +347,24 @@ class GradHook:
             return scaler._scale, found
         found = books.found.get(device)
         if found is None:
-            found = books.found[device] = self._found_inf_buffer(device, state)
+            found = books.found[device] = self._found_inf_buffer(device, state, books)
         return scaler._scale, found
 
-    def _found_inf_buffer(self, device: torch.device, state: dict) -> torch.Tensor:
-        """A zeroed found_inf for `device`: the hook's own (no allocation once warmed up, for CUDA graphs), or a new
-        one while the scaler's books hold the hook's own (an earlier backward of this iteration found it)."""
-        found = self._found_inf.get(device)
-        if found is None or state["found_inf_per_device"].get(device) is found:
-            found = self._found_inf[device] = torch.zeros(1, dtype=torch.float32, device=device)
-        else:
-            found.zero_()
-        return found
+    def _found_inf_buffer(self, device: torch.device, state: dict,
+                          books: amp.BackwardBooks | None = None) -> torch.Tensor:
+        """A zeroed found_inf for `device` (for the backward of `books`): the hook's own (no allocation once warmed
+        up, for CUDA graphs), or a new one while the hook's own is taken: by the scaler's books (an earlier
+        backward of this iteration found it) or by another backward still running (in another thread)."""
+        with self._pause_lock:
+            found = self._found_inf.get(device)
+            holder = self._found_inf_holder.get(device)
+            if (found is None or state["found_inf_per_device"].get(device) is found
+                    or (holder is not None and holder() is not None and holder() is not books)):
+                found = self._found_inf[device] = torch.zeros(1, dtype=torch.float32, device=device)
+            else:
+                found.zero_()
+            self._found_inf_holder[device] = None if books is None else weakref.ref(books)
+            return found
 
     def _check_covers_optimizer(self) -> None:
         registered = {id(e.tensor) for e in self.registry}
@@ -532,6 +539,9 @@ class GradHook:
         each rank's shard is processed in place; statistics are those of the whole parameter. See README,
         "Distributed training".
         """
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"name= takes a non-empty string (a tensor's key in stats.read(), or a module's prefix), "
+                             f"not {name!r}")
         when = gates.parse(accumulation_steps, when)
         if distributed.is_ddp(target):
             if when is not None:
@@ -544,6 +554,10 @@ class GradHook:
         handle.when = when
         with self._registering:  # against other threads' registrations, first firings included
             pairs = list(self._targets(target, name))
+            if not pairs:
+                raise ValueError(f"register() found no tensor to register in {type(target).__name__} {target!r:.80}: "
+                                 "a module registers its parameters with requires_grad (none here: frozen, or none "
+                                 "at all), an iterable its tensors")
             if isinstance(target, torch.nn.Module):
                 _check_dense_gradients(target, name)
             self._check_targets(pairs)
@@ -560,6 +574,8 @@ class GradHook:
         active = self.registry.names()
         first_device = next((t.device for _, t in pairs if isinstance(t, torch.Tensor)), None)
         for pname, t in pairs:
+            if not isinstance(pname, str) or not pname:
+                raise ValueError(f"a tensor's name takes a non-empty string (its key in stats.read()), not {pname!r}")
             _check_param(pname, t)
             entry = self.registry.get(t)
             if entry is not None:
@@ -581,9 +597,11 @@ class GradHook:
                                  f"{stats_device}; register parameters of another device with another hook")
 
     def _register_pairs(self, pairs: list[tuple[str, torch.Tensor]], bucket_bytes: int,
-                        handle: RegistrationHandle, ddp_ignored: bool = False) -> None:
+                        handle: RegistrationHandle, ddp_ignored: bool = False, when=None) -> None:
         """Register checked (name, tensor) pairs through torch's post-accumulate hooks, into `handle`; all or
-        nothing. ddp_ignored: parameters a DDP model registered with the hook ignores (see Entry)."""
+        nothing. ddp_ignored: parameters a DDP model registered with the hook ignores (see Entry); when: their
+        gate (default: the handle's)."""
+        when = handle.when if when is None else when
         added, before = [], len(handle._items)
         try:
             for pname, t in pairs:
@@ -593,8 +611,8 @@ class GradHook:
                 entry.ddp_ignored = ddp_ignored
                 entry.bucket_bytes = bucket_bytes
                 fire = self._buckets.torch_hook(entry) if bucket_bytes else self._at_firing(entry)
-                if handle.when is not None:
-                    fire = gates.gated(fire, handle.when, lambda: self._paused)
+                if when is not None:
+                    fire = gates.gated(fire, when, lambda: self._paused)
                 torch_handle = t.register_post_accumulate_grad_hook(fire)
                 entry.torch_hook_id = torch_handle.id
                 handle._add(t, torch_handle, self.registry)
@@ -905,5 +923,10 @@ def grad_hook(fn=None, *, stats=(), input_stats=(), backend: str | None = None, 
     gradient and the scaler's books are kept (see README, AMP). hist_range: (lo, hi) exponents of the
     "hist" bins, default (-40, 8).
     """
+    if isinstance(fn, GradHook):  # a decorated function, compiled again with these options
+        fn = fn.fn
+    if hist_range is not None and "hist" not in _parse_stats(stats, "stats") + _parse_stats(input_stats, "input_stats"):
+        raise ValueError(f"hist_range={hist_range!r} sets the bins of the 'hist' statistic: add 'hist' to stats= or "
+                         "input_stats=, or leave hist_range out")
     return GradHook(fn, stats=stats, input_stats=input_stats, backend=backend, scaler=scaler,
                     optimizer=optimizer, hist_range=hist_range)

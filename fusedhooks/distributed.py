@@ -121,8 +121,14 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
         handle._add(p, _NoTorchHook(), hook.registry)
     handle._on_remove.append(lambda: setattr(state, "active", False))
     if local:  # processed at their own firing: their gradient is each rank's own, which is all DDP gives them
+        ddp_ref = weakref.ref(ddp)
+
+        def synchronising() -> bool:  # as the others: not under ddp_model.no_sync(), only in the backward that syncs
+            model = ddp_ref()
+            return model is None or model.require_backward_grad_sync
+
         try:
-            hook._register_pairs(local, 0, handle, ddp_ignored=True)
+            hook._register_pairs(local, 0, handle, ddp_ignored=True, when=synchronising)
         except BaseException:
             handle.remove()
             raise

@@ -16,7 +16,13 @@ import torch
 
 
 def enabled() -> bool:
-    return os.environ.get("FUSEDHOOKS_FAST_LAUNCH", "1") not in ("", "0")
+    value = os.environ.get("FUSEDHOOKS_FAST_LAUNCH", "1").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("", "0", "false", "off", "no"):
+        return False
+    raise ValueError(f"FUSEDHOOKS_FAST_LAUNCH={value!r}: set it to 1 (the default: launch through the bound "
+                     "launcher) or 0 (every launch through kernel[grid])")
 
 
 def specialization(args) -> tuple:

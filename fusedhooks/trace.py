@@ -290,17 +290,18 @@ def _meta(node: Node, shape):
     return torch.empty(shape if node.full else (), dtype=node.dtype, device="meta")
 
 
-def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,), check_ranges: bool = True) -> tuple[Graph, tuple]:
+def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,), dtype_known: bool = True) -> tuple[Graph, tuple]:
     """Lower the traced body for gradients of `grad_dtype` and `shape`.
 
-    check_ranges: refuse Python numbers that torch refuses for the values' dtypes (False at decoration, where the
-    gradients' dtype is not known yet).
+    dtype_known: the gradients are of `grad_dtype` (False at decoration, where it stands for any dtype): refuse
+    Python numbers that torch refuses for the values' dtypes, and take a cast to a value's own dtype for the value
+    itself, as torch returns it (whether `p.float()` writes through to `p` depends on p's dtype).
 
     Returns (graph, result_shape). Raises CompileError naming the offending op.
     """
     nodes: list[Node] = []
     metas: dict[int, object] = {}
-    checked_dtype = grad_dtype if check_ranges else None
+    checked_dtype = grad_dtype if dtype_known else None
     value_of: dict[str, Node] = {}     # alias root (fx node name) -> current value
     root_of: dict[str, str] = {}       # fx node name -> alias root
 
@@ -419,7 +420,8 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,), check_ranges: b
                 v = bound.get(k)
                 if v is not None and not isinstance(v, torch.dtype):
                     raise CompileError(f"cannot compile {body.name}: `{op}` takes only a dtype here, got {v!r}")
-            if op == "to" and isinstance(bound["input"], fx.Node) and arg(bound["input"], op).dtype == bound["dtype"]:
+            if (dtype_known and op == "to" and isinstance(bound["input"], fx.Node)
+                    and arg(bound["input"], op).dtype == bound["dtype"]):
                 root_of[fxn.name] = root_of[bound["input"].name]  # a cast to its own dtype returns the tensor itself
                 continue
             args = {}

@@ -491,3 +491,16 @@ def ddp_registrations(rank: int, world: int, device) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         local = q.grad if name in ignored else _averaged(q.grad, world)
         assert torch.allclose(p.grad, local * 0.5, rtol=1e-6, atol=1e-8), name
+
+    # accumulation under no_sync(): the ignored parameters too are processed in the synchronising backward only
+    ddp.zero_grad()
+    ref.zero_grad()
+    x2 = _batch(rank, 1, 0, 16, device)
+    with ddp.no_sync():
+        _loss(ddp, x).backward()
+    _loss(ddp, x2).backward()
+    _loss(ref, x).backward()
+    _loss(ref, x2).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        local = q.grad if name in ignored else _averaged(q.grad, world)
+        assert torch.allclose(p.grad, local * 0.5, rtol=1e-6, atol=1e-8), f"no_sync: {name}"

@@ -121,3 +121,21 @@ def test_gradient_accumulation_clips_and_steps_once_per_accumulated_gradient(how
     for step in range(3):
         torch.testing.assert_close(got[step], expected[step][0], rtol=1e-6, atol=0)
     assert got[3] == 3  # one step per accumulated gradient
+
+
+def test_accumulation_steps_count_micro_batches_once_for_every_tensor(backend):
+    """A parameter reached from the second micro-batch on (a conditional layer) is clipped on the accumulated
+    gradient at the end of each window, as GradHook.register(model, accumulation_steps=) counts: one count per
+    registration, not per tensor."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    clip = fh.adaptive_clip(warmup_steps=100, max_norm=1e-3, backend=backend)
+    clip.register(torch.nn.ModuleDict({"a": a, "b": b}), accumulation_steps=2)
+    x = torch.randn(8, 4)
+    for i in range(4):  # two windows of two micro-batches
+        y = a(x)
+        if i > 0:
+            y = b(y)
+        y.pow(2).sum().mul(100).backward()
+    assert b.weight.grad.norm().item() <= 1e-3 * (1 + 1e-5)  # clipped at micro-batch 4, the end of its window
+    assert clip.read()["b.weight"]["step"] == clip.read()["a.weight"]["step"] == 2  # micro-batches 2 and 4

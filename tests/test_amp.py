@@ -190,3 +190,52 @@ def test_a_backward_that_raises_leaves_the_scalers_books_as_they_were(backend, b
         expected_stepped, expected_scale, expected = run(False, overflow)
         assert (stepped, scale) == (expected_stepped, expected_scale) == (not overflow, 2.0 if overflow else 4.0)
         assert all(torch.equal(p, e) for p, e in zip(params, expected))
+
+
+def test_an_overflow_in_one_threads_backward_survives_another_threads_backward(backend):
+    """Two backwards on one scaler= hook overlap in two threads: the first fires on an Inf gradient and is still
+    running when the second fires. torch's recipe (unscale_ after both) skips the step and backs the scale off."""
+    import threading
+
+    released, fired = threading.Event(), threading.Event()
+
+    class Wait(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            fired.set()
+            assert released.wait(30)
+            return grad
+
+    def run(use_hook):
+        w1, w2 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+        opt = torch.optim.SGD([w1, w2], lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+        if use_hook:
+            fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0), scaler=scaler, optimizer=opt,
+                         backend=backend).register([w1, w2])
+
+        def first():  # w1 fires on an Inf gradient, then the backward waits inside Wait
+            z = Wait.apply(torch.ones(1, requires_grad=True))
+            scaler.scale((w1 * float("inf")).sum() + z.sum()).backward()
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        assert fired.wait(30)
+        scaler.scale((w2 * 2.0).sum()).backward()  # a finite gradient, in this thread, while the first runs
+        released.set()
+        thread.join(30)
+        assert not thread.is_alive()
+        fired.clear()
+        released.clear()
+        if not use_hook:
+            scaler.unscale_(opt)
+        before = [w1.detach().clone(), w2.detach().clone()]
+        scaler.step(opt)
+        scaler.update()
+        return torch.equal(before[0], w1) and torch.equal(before[1], w2), scaler.get_scale()
+
+    assert run(True) == run(False) == (True, 8.0)  # skipped, backed off

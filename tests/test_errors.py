@@ -566,3 +566,62 @@ def test_plan_and_source_refuse_a_dtype_no_gradient_can_have(hook, dtype):
 def test_plan_refuses_a_numel_that_is_not_a_count(hook, numel):
     with pytest.raises(ValueError, match="numel= takes a whole number of elements >= 0"):
         hook.plan(numel=numel)
+
+
+@pytest.mark.parametrize("target", [torch.nn.ReLU(), torch.nn.Linear(2, 2).requires_grad_(False), []],
+                         ids=["no-parameters", "frozen", "empty-list"])
+def test_register_of_nothing_is_refused(target):
+    with pytest.raises(ValueError, match="found no tensor to register"):
+        fh.grad_hook(stats=("norm",)).register(target)
+
+
+@pytest.mark.parametrize("name", [3, "", ("a", "b")])
+def test_a_name_that_is_not_a_non_empty_string_is_refused(name):
+    hook = fh.grad_hook(stats=("norm",))
+    with pytest.raises(ValueError, match="non-empty string"):
+        hook.register(torch.zeros(3, requires_grad=True), name=name)
+    if name == "":  # (a pair whose name is not a string is no (name, Tensor) pair: refused as such)
+        with pytest.raises(ValueError, match="non-empty string"):
+            hook.register([(name, torch.zeros(3, requires_grad=True))])
+    assert len(hook.registry) == 0
+
+
+def test_hist_range_without_hist_is_refused():
+    with pytest.raises(ValueError, match="add 'hist'"):
+        fh.grad_hook(stats=("norm",), hist_range=(-4, 4))
+    assert fh.grad_hook(input_stats=("hist",), hist_range=(-4, 4)).hist_range == (-4, 4)
+
+
+def test_adaptive_clip_refuses_an_unknown_backend_at_once():
+    with pytest.raises(ValueError, match="trition"):
+        fh.adaptive_clip(backend="trition")
+
+
+def test_a_decorated_hook_compiles_again_with_other_options():
+    @fh.grad_hook
+    def clip(grad):
+        return grad.clamp(-1.0, 1.0)
+
+    again = fh.grad_hook(clip, stats="all")
+    assert again is not clip and again.fn is clip.fn and "norm" in again.stat_names
+    t = torch.zeros(3, requires_grad=True)
+    t.grad = torch.tensor([3.0, -0.5, -2.0])
+    again(t)
+    assert t.grad.tolist() == [1.0, -0.5, -1.0] and again.stats.read()["param0"]["count"] == 3
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("true", True), ("on", True), ("0", False), ("", False),
+                                           ("false", False), ("off", False), ("no", False)])
+def test_fast_launch_switch_reads_the_usual_spellings(value, on, monkeypatch):
+    from fusedhooks import fastlaunch
+
+    monkeypatch.setenv("FUSEDHOOKS_FAST_LAUNCH", value)
+    assert fastlaunch.enabled() is on
+
+
+def test_fast_launch_switch_refuses_anything_else(monkeypatch):
+    from fusedhooks import fastlaunch
+
+    monkeypatch.setenv("FUSEDHOOKS_FAST_LAUNCH", "2")
+    with pytest.raises(ValueError, match="FUSEDHOOKS_FAST_LAUNCH"):
+        fastlaunch.enabled()

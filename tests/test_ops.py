@@ -475,6 +475,29 @@ def test_pos_and_casts_to_the_same_dtype_alias_like_torch(name, dtype, backend):
     assert_same_bits(grad, expected)
 
 
+def param_cast_then_update(grad, param):
+    q = param.float()  # a copy of a half parameter; the parameter itself when it is float32 (refused: read-only)
+    q.mul_(1e-2)
+    return grad.add_(q)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=DTYPE_IDS)
+def test_a_cast_of_the_parameter_to_another_dtype_is_a_copy_to_update(dtype, backend):
+    """Whether `p.float()` is p itself depends on p's dtype: decided per dtype, not at decoration (where the
+    body is lowered for float32)."""
+    hook = fh.grad_hook(param_cast_then_update, backend=backend)  # decorating accepts it
+    grad, param = special_values(257, dtype), special_values(257, dtype, seed=1)
+    expected = eager_expected(param_cast_then_update, grad, param)
+    fire(hook, grad, param)
+    assert_same_bits(grad, expected)
+
+
+def test_a_cast_of_a_float32_parameter_to_its_own_dtype_is_the_parameter():
+    hook = fh.grad_hook(param_cast_then_update)
+    with pytest.raises(fh.CompileError, match="parameter"):
+        hook.register(torch.zeros(3, requires_grad=True))
+
+
 # --- results broadcast into the gradient ----------------------------------------------------------------------
 
 SCALE_1X1 = torch.tensor([[0.5]])
