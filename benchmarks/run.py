@@ -88,11 +88,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         unknown = [x for x in chosen if x not in known]
         if unknown:
             ap.error(f"unknown {name}: {', '.join(unknown)} (known: {', '.join(known)})")
+        if not chosen:
+            ap.error(f"--{name} names none: pick from {', '.join(known)}")
         setattr(args, name, chosen)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
     preset = args.sizes or ("quick" if args.quick else "gpu" if args.device == "cuda" else "cpu")
-    args.sizes = [parse_size(s) for s in SIZE_PRESETS.get(preset, preset).split(",")]
+    try:
+        args.sizes = [parse_size(s) for s in SIZE_PRESETS.get(preset, preset).split(",")]
+    except ValueError as e:
+        ap.error(f"--sizes: {e}")
+    if args.budget_s is not None and not args.budget_s > 0:
+        ap.error(f"--budget-s takes a number of seconds > 0, not {args.budget_s}")
     args.dtypes = list(DTYPES.values()) if args.dtype == "both" else [DTYPES[args.dtype]]
     args.model = args.model or ("full" if args.device == "cuda" and not args.quick else "tiny")
     return args

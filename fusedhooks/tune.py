@@ -37,9 +37,16 @@ def candidates(device: torch.device, quick: bool) -> list[dict]:
 
 
 def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+    """A gradient size: `4096`, `4K` (x 1024), `1M`, `1G`; ValueError for anything else or a size < 1."""
+    number = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(number[-1:], 1)
+    try:
+        size = int(float(number[:-1] if scale > 1 else number) * scale)
+    except ValueError:
+        raise ValueError(f"a size is a number of elements, e.g. 4096, 4K or 1M, not {text!r}") from None
+    if size < 1:
+        raise ValueError(f"a size is a number of elements >= 1, not {text!r}")
+    return size
 
 
 def _timer(device: torch.device):
@@ -141,11 +148,15 @@ def _amp_for_tuning(plan, device):
 
 
 def load_object(spec: str):
-    """`module:attr` -> the object (a GradHook, an nn.Module, or a callable returning one)."""
+    """`module:attr` -> the object (a GradHook, an nn.Module, or a callable returning one); SystemExit with a
+    message when it cannot be found."""
     module_name, _, attr = spec.partition(":")
-    obj = importlib.import_module(module_name)
-    for part in attr.split(".") if attr else ():
-        obj = getattr(obj, part)
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split(".") if attr else ():
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"cannot load {spec!r} (module:attr): {e}") from None
     return obj
 
 
@@ -154,6 +165,9 @@ def main(args) -> int:
     hook = load_object(args.hook) if args.hook else default_hook()
     if not isinstance(hook, GradHook):
         raise SystemExit(f"--hook must name a fusedhooks GradHook, got {type(hook).__name__}")
+    unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
+    if unknown:
+        raise SystemExit(f"--dtypes: unknown {', '.join(unknown)} (known: {', '.join(DTYPES)})")
     dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
     if args.model:
         model = load_object(args.model)
@@ -162,7 +176,10 @@ def main(args) -> int:
         sizes = sorted({1 << max(n - 1, 1).bit_length() for n in numels})  # one per size bucket
         dtypes = sorted({p.dtype for p in model.parameters()}, key=str)
     elif args.sizes:
-        sizes = [parse_size(s) for s in args.sizes.split(",")]
+        try:
+            sizes = [parse_size(s) for s in args.sizes.split(",")]
+        except ValueError as e:
+            raise SystemExit(f"--sizes: {e}") from None
     else:
         sizes = [5000, 20000] if args.quick else [1 << 12, 1 << 16, 1 << 20, 1 << 24]
     results = tune(hook, sizes, dtypes, device, quick=args.quick)

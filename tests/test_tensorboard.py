@@ -63,3 +63,11 @@ def test_histograms_can_be_left_out_and_stale_rows_are(tmp_path):
     writer.close()
     acc = _read_back(tmp_path)
     assert acc.Tags()["scalars"] == ["g/used/max"] and acc.Tags()["histograms"] == []
+
+
+def test_what_is_not_a_writer_or_a_hook_is_refused_by_name():
+    hook = fh.grad_hook(stats=("norm",))
+    with pytest.raises(TypeError, match="SummaryWriter"):
+        log_to_tensorboard(None, hook, step=0)
+    with pytest.raises(TypeError, match="takes a fusedhooks hook, not str"):
+        log_to_tensorboard(object(), "hook", step=0)

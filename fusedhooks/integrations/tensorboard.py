@@ -23,6 +23,11 @@ def log_to_tensorboard(writer, hook: GradHook, step: int, prefix: str = "grad/",
     dashboard does not draw, are estimated from the bins' geometric centres, since the hook does not record
     them for |g|. Rows not written by the last backward (`read().stale`) are left out.
     """
+    if not isinstance(hook, GradHook):
+        raise TypeError(f"log_to_tensorboard(writer, hook, step) takes a fusedhooks hook, not {type(hook).__name__}")
+    if not all(callable(getattr(writer, method, None)) for method in ("add_scalar", "add_histogram_raw")):
+        raise TypeError("log_to_tensorboard(writer, hook, step) takes a torch.utils.tensorboard.SummaryWriter "
+                        f"(anything with add_scalar and add_histogram_raw), not {type(writer).__name__}")
     reading = hook.stats.read()
     lo, hi = hook.stats.hist_range
     limits = [2.0 ** (k + 1) for k in range(lo, hi)]
