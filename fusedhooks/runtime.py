@@ -48,9 +48,11 @@ def choose_backend(device: torch.device, requested: str | None = None) -> str:
     "eager" on CPU otherwise; "reference" on other devices), "triton", "eager" (CPU tensors only: it reads
     statistics on the host) or "reference" (eager torch in float64: the tests' oracle).
     """
+    from_env = not requested and bool(os.environ.get("FUSEDHOOKS_BACKEND"))
     requested = requested or os.environ.get("FUSEDHOOKS_BACKEND") or "auto"
     if requested not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {requested!r}")
+        where = " (from the environment variable FUSEDHOOKS_BACKEND)" if from_env else ""
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {requested!r}{where}")
     if requested == "reference":
         return "reference"
     if requested == "eager":
@@ -73,7 +75,10 @@ def block_size(module=None, device: torch.device | None = None, dtype: torch.dty
     serves every size."""
     override = os.environ.get("FUSEDHOOKS_BLOCK")
     if override:
-        block = int(override)
+        try:
+            block = int(override)
+        except ValueError:
+            raise ValueError(f"FUSEDHOOKS_BLOCK must be a power of two >= 16, not {override!r}") from None
         if block < 16 or block & (block - 1):
             raise ValueError(f"FUSEDHOOKS_BLOCK must be a power of two >= 16, not {override}")
         return block

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -56,10 +57,26 @@ _lookups: dict[tuple, dict | None] = {}
 def load(reload: bool = False) -> dict:
     global _cache
     if _cache is None or reload:
-        path = cache_path()
-        _cache = json.loads(path.read_text()) if path.exists() else {}
+        _cache = _read(cache_path())
         _lookups.clear()
     return _cache
+
+
+def _read(path: Path) -> dict:
+    """The cache file's contents; an unreadable one (truncated, not a tuning cache) is left out with a warning: it
+    only holds launch configurations, and the defaults give the same results."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        data = e
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        why = data if isinstance(data, Exception) else "not a tuning cache"
+        warnings.warn(f"fusedhooks: the tuning cache {path} cannot be read ({why}); the default launch "
+                      "configurations are used. Delete it, or run `python -m fusedhooks tune` again", stacklevel=2)
+        return {}
+    return data
 
 
 def lookup(module, device: torch.device) -> dict | None:
@@ -74,7 +91,7 @@ def lookup(module, device: torch.device) -> dict | None:
 def store(device: torch.device, digest: str, entry: dict) -> Path:
     """Add or replace one kernel's entry in the cache file; returns its path."""
     path = cache_path()
-    data = json.loads(path.read_text()) if path.exists() else {}
+    data = _read(path)
     data.setdefault(device_key(device), {})[digest] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -61,3 +61,35 @@ def test_tune_writes_the_cache_and_a_later_process_uses_it(tmp_path):
 def test_tuning_a_body_planned_per_shape_is_refused():
     with pytest.raises(ValueError, match="reduces over dimensions: its kernels are planned per gradient shape"):
         tune(fh.agc(0.01), [4096], [torch.float32], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("contents", ['{"cpu": {"abc": ', "[1, 2]", '{"cpu": 3}'],
+                         ids=["truncated", "list", "not-dicts"])
+def test_an_unreadable_tuning_cache_is_left_out_with_a_warning(contents, tmp_path, monkeypatch):
+    """The cache only holds launch configurations: a broken one must not break a backward."""
+    from fusedhooks import tuning
+
+    path = tmp_path / "tuning.json"
+    path.write_text(contents)
+    monkeypatch.setenv("FUSEDHOOKS_TUNE_CACHE", str(path))
+    with pytest.warns(UserWarning, match="cannot be read"):
+        assert tuning.load(reload=True) == {}
+    hook = fh.grad_hook(lambda grad: grad * 2.0, backend="triton")
+    p = torch.zeros(5, requires_grad=True)
+    p.grad = torch.ones(5)
+    hook(p)
+    assert p.grad.tolist() == [2.0] * 5
+    monkeypatch.delenv("FUSEDHOOKS_TUNE_CACHE")
+    tuning.load(reload=True)
+
+
+def test_environment_variables_with_bad_values_are_named(monkeypatch):
+    from fusedhooks import runtime
+
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", "abc")
+    with pytest.raises(ValueError, match="FUSEDHOOKS_BLOCK must be a power of two >= 16, not 'abc'"):
+        runtime.block_size()
+    monkeypatch.delenv("FUSEDHOOKS_BLOCK")
+    monkeypatch.setenv("FUSEDHOOKS_BACKEND", "trition")
+    with pytest.raises(ValueError, match="FUSEDHOOKS_BACKEND"):
+        runtime.choose_backend(torch.device("cpu"))
