@@ -136,7 +136,7 @@ class GradHook:
         self._amp_backwards: weakref.WeakValueDictionary[int, amp.BackwardBooks] = weakref.WeakValueDictionary()
         self._paused = False  # while any paused() block runs, in any thread
         self._pauses = 0
-        self._pause_lock = threading.Lock()
+        self._state_lock = threading.Lock()  # the paused() count, the found_inf buffers
         if fn is not None and not callable(fn):
             raise TypeError(f"grad_hook takes a function, not {type(fn).__name__}")
         self._body: TracedBody = trace(fn if fn is not None else _identity)
@@ -355,7 +355,7 @@ class GradHook:
         """A zeroed found_inf for `device` (for the backward of `books`): the hook's own (no allocation once warmed
         up, for CUDA graphs), or a new one while the hook's own is taken: by the scaler's books (an earlier
         backward of this iteration found it) or by another backward still running (in another thread)."""
-        with self._pause_lock:
+        with self._state_lock:
             found = self._found_inf.get(device)
             holder = self._found_inf_holder.get(device)
             if (found is None or state["found_inf_per_device"].get(device) is found
@@ -718,13 +718,13 @@ class GradHook:
         """Within this block the hook does nothing (gradient accumulation: clip and record statistics once,
         on the accumulated gradient of the last micro-batch, outside the block). It pauses the hook object,
         for every thread, while any such block runs (blocks in several threads may overlap)."""
-        with self._pause_lock:
+        with self._state_lock:
             self._pauses += 1
             self._paused = True
         try:
             yield self
         finally:
-            with self._pause_lock:
+            with self._state_lock:
                 self._pauses -= 1
                 self._paused = self._pauses > 0
 

@@ -76,10 +76,9 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     the gradient instead (one read of it): one changed or replaced since the hook last measured it (a parameter the
     last backward did not reach after `zero_grad(set_to_none=False)`, a gradient edited by hand or given other
     storage by `p.grad.data = t`: told by the gradient tensor itself, its version counter and its address, never by
-    the address alone, which the allocator reuses), and one it
-    has not fired on since registration or `hook.stats.reset()` (a gradient set by hand; one produced only in
-    micro-batches that `accumulation_steps=`, `when=` or `hook.paused()` left unprocessed, as an eager hook gated
-    the same way would leave it).
+    the address alone, which the allocator reuses), and one it has not fired on since registration or
+    `hook.stats.reset()` (a gradient set by hand; one produced only in micro-batches that `accumulation_steps=`,
+    `when=` or `hook.paused()` left unprocessed, as an eager hook gated the same way would leave it).
 
     Versions: the scale bumps every gradient's version counter, as `mul_` does (with the Triton backend too, which
     writes nothing when the coefficient is 1), so that every other hook's record of a gradient is seen as changed.
