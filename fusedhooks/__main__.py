@@ -12,6 +12,23 @@ def _steps(text: str) -> int:
     return steps
 
 
+def _warps(text: str) -> int:
+    warps = int(text)
+    if warps < 1 or warps & (warps - 1):
+        raise argparse.ArgumentTypeError(f"takes a power of two (1, 2, 4, 8, ...), not {warps}")
+    return warps
+
+
+def _writable(text: str) -> str:
+    """A file path whose directory exists or can be made (its nearest existing ancestor is a writable directory)."""
+    directory = os.path.dirname(os.path.abspath(text))
+    while not os.path.exists(directory):
+        directory = os.path.dirname(directory)
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {directory} is not a writable directory")
+    return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedhooks", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -28,15 +45,15 @@ def main(argv=None) -> int:
     tune.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16, fp64")
     tune.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     tune.add_argument("--quick", action="store_true", help="few sizes and configurations (CI)")
-    tune.add_argument("--out", help="the tuning cache file (default: FUSEDHOOKS_TUNE_CACHE or "
+    tune.add_argument("--out", type=_writable, help="the tuning cache file (default: FUSEDHOOKS_TUNE_CACHE or "
                                     "<cache dir>/tuning.json)")
     build = sub.add_parser("build", help="compile every kernel family for GPU targets (no GPU needed) and report "
                                          "registers, spills and load/store widths")
     build.add_argument("--target", default="cuda:90", help="cuda:80, cuda:90, hip:gfx942, a comma-separated list, "
                                                            "or all (default cuda:90)")
     build.add_argument("--dtypes", default="fp32,bf16,fp16,fp64", help="comma-separated: fp32, bf16, fp16, fp64")
-    build.add_argument("--json", help="also write the reports to this file (a list of objects)")
-    build.add_argument("--num-warps", type=int, default=None, help="override the runtime's warps (default: its "
+    build.add_argument("--json", type=_writable, help="also write the reports to this file (a list of objects)")
+    build.add_argument("--num-warps", type=_warps, default=None, help="override the runtime's warps (default: its "
                                                                      "choice per kernel)")
     args = parser.parse_args(argv)
     if args.command == "build":
@@ -53,6 +70,9 @@ def main(argv=None) -> int:
     if args.command == "demo":
         import torch
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+            parser.error(f"demo --device: cpu{', cuda' if torch.cuda.is_available() else ' (no CUDA device here)'}, "
+                         f"not {device!r}")
         if device == "cpu" and args.backend not in ("eager", "reference"):
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel is compiled
         from .demo import run_demo

@@ -240,6 +240,7 @@ def main(args) -> int:
                                                 mp_context=context) as pool:
         results = list(pool.map(build, targets, [dtypes] * len(targets), [args.num_warps] * len(targets)))
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for reports in results for r in reports], f, indent=1)
     failed = 0

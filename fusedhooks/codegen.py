@@ -1302,7 +1302,12 @@ def load(source: str, spec: LaunchSpec | None = None):
             module.SPEC = spec
         return module
     directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"fusedhooks writes its generated kernels to {directory} (FUSEDHOOKS_CACHE_DIR, else "
+                      f"$XDG_CACHE_HOME/fusedhooks or ~/.cache/fusedhooks), which cannot be made a directory: {e}. "
+                      "Set FUSEDHOOKS_CACHE_DIR to a writable directory") from None
     path = directory / f"fh_{digest}.py"
     if not path.exists() or path.read_text() != source:
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".py.tmp")
