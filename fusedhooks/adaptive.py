@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from . import gates
+from . import gates, runtime
 from .api import GradHook, RegistrationHandle, _check_param, named_tensors
 
 
@@ -54,7 +54,8 @@ class AdaptiveClip:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a whole number >= 0, got {warmup_steps!r}")
         self.beta, self.ratio, self.warmup_steps, self.max_norm = beta, ratio, warmup_steps, max_norm
-        GradHook(stats=(), backend=backend)  # refuses a backend it does not know, now rather than at register()
+        if backend is not None:  # now rather than at register()
+            runtime.check_backend(backend)
         self.backend = backend
         self._hooks: dict[str, GradHook] = {}
         self._states: dict[str, torch.Tensor] = {}

@@ -119,8 +119,8 @@ class GradHook:
         self.fn = fn
         self.stat_names = _parse_stats(stats, "stats")
         self.input_stat_names = _parse_stats(input_stats, "input_stats")
-        if backend is not None and backend not in runtime.BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(map(repr, runtime.BACKENDS))}, not {backend!r}")
+        if backend is not None:
+            runtime.check_backend(backend)
         self.backend = backend
         self.hist_range = _parse_hist_range(hist_range)
         if (scaler is None) != (optimizer is None):

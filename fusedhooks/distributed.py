@@ -88,8 +88,8 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
                          "processes them; use static_graph=False")
     pairs = [(n, p) for n, p in hook._targets(ddp.module, name) if p.requires_grad]
     hook._check_targets(pairs)
-    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
-    ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ignored}
+    ignored_names = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ignored_names}
     local = [(n, p) for n, p in pairs if id(p) in ignored]  # DDP neither averages them nor passes them to its hook
     pairs = [(n, p) for n, p in pairs if id(p) not in ignored]
     entries, added = {}, []

@@ -41,6 +41,12 @@ def interpreting() -> bool:
 BACKENDS = ("auto", "triton", "eager", "reference")
 
 
+def check_backend(backend: str, source: str = "") -> None:
+    """Refuse a backend name that is not one of BACKENDS; `source`: where it came from, for the message."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {backend!r}{source}")
+
+
 def choose_backend(device: torch.device, requested: str | None = None) -> str:
     """"triton", "eager" or "reference" for gradients on `device`.
 
@@ -48,11 +54,11 @@ def choose_backend(device: torch.device, requested: str | None = None) -> str:
     "eager" on CPU otherwise; "reference" on other devices), "triton", "eager" (CPU tensors only: it reads
     statistics on the host) or "reference" (eager torch in float64: the tests' oracle).
     """
-    from_env = not requested and bool(os.environ.get("FUSEDHOOKS_BACKEND"))
-    requested = requested or os.environ.get("FUSEDHOOKS_BACKEND") or "auto"
-    if requested not in BACKENDS:
-        where = " (from the environment variable FUSEDHOOKS_BACKEND)" if from_env else ""
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {requested!r}{where}")
+    if requested:
+        check_backend(requested)
+    else:
+        requested = os.environ.get("FUSEDHOOKS_BACKEND") or "auto"
+        check_backend(requested, " (from the environment variable FUSEDHOOKS_BACKEND)")
     if requested == "reference":
         return "reference"
     if requested == "eager":
@@ -78,9 +84,9 @@ def block_size(module=None, device: torch.device | None = None, dtype: torch.dty
         try:
             block = int(override)
         except ValueError:
-            raise ValueError(f"FUSEDHOOKS_BLOCK must be a power of two >= 16, not {override!r}") from None
+            block = 0  # refused below
         if block < 16 or block & (block - 1):
-            raise ValueError(f"FUSEDHOOKS_BLOCK must be a power of two >= 16, not {override}")
+            raise ValueError(f"FUSEDHOOKS_BLOCK must be a power of two >= 16, not {override!r}")
         return block
     entry = tuning.lookup(module, device) if module is not None and device is not None else None
     return entry["block"] if entry else default_block(dtype)
