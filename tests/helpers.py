@@ -94,6 +94,28 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -
         assert not bad.any(), f"{int(bad.sum())} values differ: {a[bad][:4].tolist()} vs {e[bad][:4].tolist()}"
 
 
+def torch_fp32_norm_rtol(numels) -> float:
+    """Relative error bound of torch's float32 total 2-norm of tensors with these element counts, as
+    `clip_grad_norm_` computes it on CPU, plus one rounding for a correctly rounded result to compare it with.
+
+    Torch squares and sums each tensor in vector accumulators of at least 8 float32 lanes (256-bit `Vectorized`
+    under every ATEN_CPU_CAPABILITY on x86, and on NEON): each lane adds ceil(n / 8) squares in sequence, then
+    the lanes are added (3 levels), so a sum of squares carries at most m = ceil(n / 8) + 4 roundings (the squares
+    included) and a relative error gamma_m = m u / (1 - m u); its square root halves that and adds one rounding.
+    The k per-tensor norms are then squared and summed the same way (gamma of ceil(k / 8) + 4) and rooted again.
+    Which lanes hold which elements, and so the last bits, depend on the processor (AVX2 or AVX-512) and on the
+    thread count: two such results must be compared within this bound, never for equality."""
+    u = torch.finfo(torch.float32).eps / 2
+
+    def gamma(m):
+        return m * u / (1 - m * u)
+
+    numels = list(numels)
+    per_tensor = max(gamma(-(-n // 8) + 4) for n in numels) / 2 + u
+    combined = 2 * per_tensor + gamma(-(-len(numels) // 8) + 4)
+    return combined / 2 + u + 2 * u  # + the root's rounding, + the other side's (correctly rounded, <= 1 ulp)
+
+
 def record_processing(hook) -> list:
     """The names of the parameters `hook` processes from now on, one per processing (a firing that the hook does
     not skip), in order."""

@@ -16,6 +16,8 @@ from torch._dynamo.utils import counters
 
 import fusedhooks as fh
 
+from helpers import torch_fp32_norm_rtol
+
 STATS = ("norm", "max", "nan", "std")
 
 
@@ -393,8 +395,14 @@ def test_clip_grad_norm_in_compiled_step_other_norms(norm_type, max_norm):
     kept as the gradients' description): as eager, under aot_eager's copies too."""
     expected_totals, expected_params, _ = clip_training("triton", None, norm_type=norm_type, max_norm=max_norm)
     totals, params, _ = clip_training("triton", "aot_eager", norm_type=norm_type, max_norm=max_norm)
-    assert all(torch.equal(t, e) for t, e in zip(totals, expected_totals)), (totals, expected_totals)
-    assert all(torch.equal(p, e) for p, e in zip(params, expected_params))
+    if norm_type == 2.0:
+        # under aot_eager the 2-norms are read from the gradients by torch (float32 lanes), eagerly the kernel's
+        # correctly rounded ones are kept: they agree within torch's rounding, not bit for bit
+        rtol = torch_fp32_norm_rtol(p.numel() for p in make_model().parameters())
+        torch.testing.assert_close(totals, expected_totals, rtol=rtol, atol=0)
+    else:  # the inf-norm (absmax) is exact, and the 1-norm is torch's own on both sides
+        assert all(torch.equal(t, e) for t, e in zip(totals, expected_totals)), (totals, expected_totals)
+    assert all(torch.equal(p, e) for p, e in zip(params, expected_params))  # max_norm=inf or the same coefficient
 
 
 def test_compiled_clip_grad_norm_is_one_op():

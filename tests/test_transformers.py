@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 import fusedhooks as fh
 from fusedhooks.integrations.transformers import FusedHooksCallback
 
-from helpers import record_processing
+from helpers import record_processing, torch_fp32_norm_rtol
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -63,15 +63,15 @@ def test_clipping_equals_trainers_own(tmp_path, accumulation):
     hook = fh.grad_hook(stats=("norm", "max", "nan"))
     callback = FusedHooksCallback(hook, max_grad_norm=1.0)
     trainer, model = _train(tmp_path / "fh", 0.0, accumulation, [callback])
-    # The total norm is Trainer's to the last ulp (float32): fusedhooks' per-parameter norms are correctly rounded
-    # from float64 sums, torch's foreach norms accumulate in float32, so a norm may differ in its last bit; the
-    # coefficient, the parameters and the losses then differ by as much.
+    # The total norm is Trainer's within Trainer's own rounding: fusedhooks' per-parameter norms are correctly
+    # rounded from float64 sums, torch's foreach norms accumulate in float32 lanes (processor-dependent bits), so
+    # the totals differ by torch's rounding at most; the coefficient, the parameters and the losses by as much.
     logged = [e for e in trainer.state.log_history if "loss" in e]
     reference_logged = [e for e in reference.state.log_history if "loss" in e]
     assert len(logged) == 5
+    rtol = torch_fp32_norm_rtol(p.numel() for p in model.parameters())
     for entry, ref in zip(logged, reference_logged):
-        ulp = torch.finfo(torch.float32).eps * ref["grad_norm"]
-        assert abs(entry["grad/total_norm"] - ref["grad_norm"]) <= ulp
+        assert entry["grad/total_norm"] == pytest.approx(ref["grad_norm"], rel=rtol, abs=0)
         assert entry["loss"] == pytest.approx(ref["loss"], rel=1e-6)
     for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
