@@ -78,31 +78,14 @@ def _can_overwrite(n: Node, first: Node | None, i: int, last_use: dict, owned: s
     return n.op in _IN_PLACE or n.op in ("minimum", "maximum")
 
 
-#: An elementwise body runs on a float32 or float64 gradient of more than four such blocks block by block, each block
-#: from the body's first op to its last while it is in the core's cache (L2): one pass over memory, not one per op,
-#: and the same values (every op is elementwise). float16/bfloat16 ops are bound by their conversions, not memory:
-#: blocks gain nothing there (measured).
-CACHE_BLOCK_BYTES = 512 << 10
-
-
-def cache_blocks(grad: torch.Tensor, param: torch.Tensor | None) -> list | None:
-    """(gradient block, parameter block or None) views of CACHE_BLOCK_BYTES, in order; None when `grad` or `param`
-    (same shape) is not contiguous."""
-    if not grad.is_contiguous() or (param is not None and not param.is_contiguous()):
-        return None
-    size, flat = CACHE_BLOCK_BYTES // grad.element_size(), grad.view(-1)
-    flat_param = param.detach().view(-1) if param is not None else None  # read only, never recorded by autograd
-    # slices, not split(): in-place ops may write into a slice with grad mode on (a call by hand)
-    return [(flat[i:i + size], flat_param[i:i + size] if param is not None else None)
-            for i in range(0, flat.numel(), size)]
-
-
 @functools.lru_cache(maxsize=256)
 def compile_body(graph: Graph):
     """The body as a Python function body(grad, param, scalars) that writes the body's result into `grad`, eager
     torch op by op, overwriting `grad` and its own intermediates once they are no longer read (so the result is
-    often `grad` itself, already written: then nothing is copied), an elementwise body on a large gradient block by
-    block (see CACHE_BLOCK_BYTES). Written once per graph: at each firing it costs what the torch calls cost."""
+    often `grad` itself, already written: then nothing is copied), each op on the whole gradient, as the eager hook
+    it replaces runs them (cutting a large gradient into cache-sized blocks was measured slower on 1M-16M fp32
+    gradients: each block's ops pay torch's dispatch and thread start again). Written once per graph: at each
+    firing it costs what the torch calls cost."""
     nodes = graph.live_nodes()
     last_use: dict[int, int] = {}
     for i, n in enumerate(nodes):
@@ -154,13 +137,8 @@ def compile_body(graph: Graph):
                     owned.add(n.index)  # a fresh tensor (x.to(its own dtype) is x itself)
             lines.append(f"v{n.index} = {call}")
     lines += [f"result = {ref(graph.result)}", "if result is not grad:", "    grad.copy_(result)"]
-    if not graph.reductions() and graph.grad_dtype.itemsize >= 4:  # see CACHE_BLOCK_BYTES
-        param = "param" if graph.uses_param else "None"
-        lines = [f"if grad.nbytes > {4 * CACHE_BLOCK_BYTES} and (blocks := cache_blocks(grad, {param})):",
-                 "    for grad_block, param_block in blocks:", "        body(grad_block, param_block, scalars)",
-                 "    return"] + lines
     source = "def body(grad, param, scalars):\n" + "".join(f"    {line}\n" for line in lines)
-    scope = {"torch": torch, "eager": eager, "c": consts, "cache_blocks": cache_blocks}
+    scope = {"torch": torch, "eager": eager, "c": consts}
     exec(compile(source, f"<fusedhooks eager body {id(graph):x}>", "exec"), scope)
     body = scope["body"]
     body.source = source
