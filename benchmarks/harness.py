@@ -293,9 +293,10 @@ class Report:
             lines += [f"## {title} (`{workload}`)", ""] + self._table(rows) + [""]
         if self.overhead:
             lines += ["## fusedhooks' own host time per firing, launches excluded (`overhead`)", "",
-                      "| case | dtype | µs | target µs |", "| --- | --- | ---: | ---: |"]
-            lines += [f"| {r['case']} | {r['dtype']} | {r['us']:.1f} | {fmt(r['target_us'], '≤ {:.0f}')} |"
-                      for r in self.overhead]
+                      "| case | dtype | µs | target µs | fusedhooks' Python calls per parameter |",
+                      "| --- | --- | ---: | ---: | ---: |"]
+            lines += [f"| {r['case']} | {r['dtype']} | {r['us']:.1f} | {fmt(r['target_us'], '≤ {:.0f}')} | "
+                      f"{fmt(r.get('python_calls'), '{:.1f}')} |" for r in self.overhead]
             lines.append("")
         return "\n".join(lines)
 

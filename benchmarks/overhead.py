@@ -13,6 +13,12 @@ reads `.grad` (which makes the gradient's Python object), one that also keeps a 
 statistics do, so that a row never describes another gradient).
 
 On CPU the kernels are those of the Triton interpreter (TRITON_INTERPRET=1 while measuring); none runs.
+
+On CPU, the time a clamp hook adds per parameter to the backward of a model of 100 Linear(64, 64) layers, side by
+side: the eager hook `p.grad.clamp_(-1, 1)`, fusedhooks' eager backend, fusedhooks' triton host path (launches
+stubbed), and the eager hook and fusedhooks under compiled autograd with inductor, with the number of Python calls
+fusedhooks' own code makes per parameter in a warm backward (0 is the goal under compiled autograd: see DESIGN,
+"the firing is a function of tensors").
 """
 
 from __future__ import annotations
@@ -122,6 +128,110 @@ def bucket_us(device: torch.device, dtype: torch.dtype, quick: bool, hook_kind: 
     return 1e6 * statistics.median(differences) / BUCKET_PARAMS
 
 
+#: the model of the per-parameter figures (issue 23's measurement): LAYERS x Linear(WIDTH, WIDTH), 2 parameters each
+LAYERS, WIDTH = 100, 64
+
+
+def _clamp(grad):
+    return grad.clamp(-1.0, 1.0)
+
+
+def _eager_clamp_hook(param):
+    param.grad.clamp_(-1.0, 1.0)
+
+
+#: kind -> (how the hook is made and registered, whether the backward runs under compiled autograd + inductor)
+BACKWARD_KINDS = {
+    "eager hook `p.grad.clamp_(-1, 1)`": ("python", False),
+    "fusedhooks, eager backend": ("eager", False),
+    "fusedhooks, triton host path (launch stubbed)": ("triton", False),
+    "eager hook under compiled autograd + inductor (traced)": ("python", True),
+    "fusedhooks (eager backend) under compiled autograd + inductor": ("eager", True),
+}
+
+
+def _fusedhooks_calls(fn) -> int:
+    """Python function calls made in fusedhooks' own code while `fn()` runs (sys.setprofile)."""
+    import sys
+
+    root = os.path.dirname(fh.__file__)
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def backward_us(kind: str, quick: bool) -> tuple[float, float]:
+    """(µs per parameter that a clamp hook of `kind` (a key of BACKWARD_KINDS) adds to the backward of LAYERS
+    Linear(WIDTH, WIDTH) layers on CPU, fusedhooks' Python calls per parameter in one such backward once warm).
+
+    Two copies of the model, the hooks registered once on one of them: their backwards alternate (under compiled
+    autograd each is compiled once and then found in its cache), and the figure is the median of the pairs'
+    differences, so that load that comes and goes weighs on both sides of most pairs."""
+    from torch._dynamo import compiled_autograd
+
+    def make_model():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
+        with torch.no_grad():  # norm-preserving layers: default ones shrink 100 layers deep into subnormals (slow)
+            for layer in model:
+                torch.nn.init.orthogonal_(layer.weight)
+        return model
+
+    plain, hooked = make_model(), make_model()
+    x = torch.randn(8, WIDTH)
+    how, compiled = BACKWARD_KINDS[kind]
+
+    def backward_of(model):
+        params = list(model.parameters())
+
+        def backward():
+            for p in params:
+                p.grad = None
+            loss = model(x).square().sum()
+            if compiled:
+                with compiled_autograd._enable(torch.compile(backend="inductor")):
+                    loss.backward()
+            else:
+                loss.backward()
+        return backward
+
+    base, with_hooks = backward_of(plain), backward_of(hooked)
+    calls, rounds = (3, 5) if quick else (10, 21)
+    differences = []
+    stub = launches_stubbed(torch.device("cpu")) if how == "triton" else contextlib.nullcontext()
+    with stub:
+        if how == "python":
+            for p in hooked.parameters():
+                p.register_post_accumulate_grad_hook(_eager_clamp_hook)
+        else:
+            fh.grad_hook(_clamp, backend=how).register(hooked)
+        base(), with_hooks()
+        python_calls = _fusedhooks_calls(with_hooks)
+        for _ in range(rounds):
+            differences.append(_best_of(with_hooks, calls, 1) - _best_of(base, calls, 1))
+    return 1e6 * statistics.median(differences) / (2 * LAYERS), python_calls / (2 * LAYERS)
+
+
+def measure_backward(quick: bool) -> list[dict]:
+    """Rows {"case", "dtype", "us", "target_us", "python_calls"}: BACKWARD_KINDS side by side, in one run."""
+    rows = []
+    for kind in BACKWARD_KINDS:
+        us, calls = backward_us(kind, quick)
+        rows.append({"case": f"{kind}, µs added per parameter ({LAYERS} x Linear({WIDTH}, {WIDTH}))",
+                     "dtype": "float32", "us": us, "target_us": None, "python_calls": calls})
+    return rows
+
+
 def measure(device: torch.device, dtypes: list[torch.dtype], quick: bool) -> list[dict]:
     """Rows {"case", "dtype", "us", "target_us"}."""
     python_hooks = {kind: bucket_us(device, dtypes[0], quick, kind) for kind in PYTHON_HOOKS}
@@ -139,4 +249,6 @@ def measure(device: torch.device, dtypes: list[torch.dtype], quick: bool) -> lis
                      "dtype": name, "us": bucket_us(device, dtype, quick, "fusedhooks at firing"), "target_us": None})
     rows += [{"case": f"{kind}, µs per parameter", "dtype": str(dtypes[0]).removeprefix("torch."), "us": us,
               "target_us": None} for kind, us in python_hooks.items()]
+    if device.type == "cpu":
+        rows += measure_backward(quick)
     return rows
