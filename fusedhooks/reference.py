@@ -99,7 +99,10 @@ def run(plan: Plan, grad: torch.Tensor, param: torch.Tensor | None, scalars: lis
         torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf, scale.double().reciprocal().float())
     values = _stats_values(grad, plan.input_stats, plan.hist_range) if plan.input_stats else []
     if plan.graph.writes:
-        grad.copy_(evaluate(plan.graph, grad, param, scalars))
+        # autograd may record the body (backward(create_graph=True)): it reads a copy, which copy_ leaves as the
+        # body's backward saved it (on grad itself the second differentiation would find it overwritten)
+        source = grad.clone() if torch.is_grad_enabled() else grad
+        grad.copy_(evaluate(plan.graph, source, param, scalars))
     values = (_stats_values(grad, plan.stats, plan.hist_range) if plan.stats else []) + values
     if values and stats_row is not None:
         stats_row.copy_(torch.stack(values))

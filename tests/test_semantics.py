@@ -382,7 +382,7 @@ def test_create_graph_records_a_body_reading_a_tensor_that_requires_grad(backend
     factor = torch.tensor(0.1, requires_grad=True)
 
     def body(grad, param):
-        return grad + param * 0.1 if reads == "param" else grad + factor  # (saves no input: copy_ may write it)
+        return grad + param * 0.1 if reads == "param" else grad + factor
 
     def run(use_fusedhooks):
         torch.manual_seed(0)
@@ -412,6 +412,148 @@ def test_create_graph_records_a_body_reading_a_tensor_that_requires_grad(backend
     (expected_grad, expected_second), (grad, second) = run(False), run(True)
     assert torch.equal(grad, expected_grad)
     assert torch.equal(second, expected_second) and second.abs().sum() > 0
+
+
+def clamp_in_place(grad):
+    grad.clamp_(-5.0, 5.0)
+
+
+def clamp_scaled(grad):
+    return grad.clamp(-5.0, 5.0) * 2
+
+
+def clamp_then_halve(grad):
+    grad.clamp_(-5.0, 5.0).mul_(0.5)
+
+
+def times_param_clamped(grad, param):
+    grad.mul_(param).clamp_(-5.0, 5.0)
+
+
+#: name -> (body, grad_hook options, whether it returns its result, |.grad| where it clamps); each body saves the
+#: gradient it reads for its backward (clamp's mask, mul's other factor), which writing the result into .grad must
+#: not overwrite
+CREATE_GRAPH_BODIES = {
+    "in_place": (clamp_in_place, {}, False, 5.0),
+    "out_of_place": (clamp_scaled, {}, True, 10.0),
+    "stats": (clamp_then_halve, {"stats": ("norm", "std", "nan"), "input_stats": ("absmax",)}, False, 2.5),
+    "reads_param": (times_param_clamped, {}, False, 5.0),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("body_name", CREATE_GRAPH_BODIES)
+@pytest.mark.parametrize("register", ["module", "list", "tensor", "torch", "buckets"])
+def test_create_graph_second_order_gradients_match_an_eager_hook(backend, register, body_name, dtype):
+    """backward(create_graph=True), then a second differentiation through the processed `.grad`: the values of
+    `.grad` and of the second-order gradients are those of per-parameter eager hooks. An in-place body is the eager
+    hook `body(p.grad)`; a body returning its result is `p.grad = body(p.grad)` (copying it into p.grad, the
+    README's equivalent, would overwrite the gradient clamp's backward saved: torch raises there)."""
+    body, options, returns, clamped = CREATE_GRAPH_BODIES[body_name]
+    reads_param = body is times_param_clamped
+
+    def eager_hook(p):
+        args = (p.grad, p) if reads_param else (p.grad,)
+        if returns:
+            p.grad = body(*args)
+        else:
+            body(*args)
+
+    def run(use_fusedhooks):
+        torch.manual_seed(0)
+        a = torch.nn.Parameter((torch.randn(7) * 1.5).to(dtype))      # 3 a**2 beyond 5 for some entries
+        b = torch.nn.Parameter((torch.randn(3, 5) * 1.5).to(dtype))
+        accumulated = {}  # id(parameter) -> (data_ptr, a copy) of .grad as accumulated
+
+        def note_accumulated(p):
+            accumulated[id(p)] = p.grad.data_ptr(), p.grad.detach().clone()
+
+        for p in (a, b):  # registered first: it runs before any hook processes .grad
+            p.register_post_accumulate_grad_hook(note_accumulated)
+        hook = None
+        if not use_fusedhooks:
+            for p in (a, b):
+                p.register_post_accumulate_grad_hook(eager_hook)
+        else:
+            hook = fh.grad_hook(body, backend=backend, **options)
+            if register in ("module", "buckets"):
+                holder = torch.nn.Module()
+                holder.a, holder.b = a, b
+                hook.register(holder, bucket_mb=25 if register == "buckets" else None)
+            elif register == "list":
+                hook.register([a, b])
+            elif register == "tensor":
+                hook.register(a)
+                hook.register(b)
+            else:
+                a.register_post_accumulate_grad_hook(hook)
+                b.register_post_accumulate_grad_hook(hook)
+        with warnings.catch_warnings():   # torch warns (once) that create_graph makes a reference cycle
+            warnings.simplefilter("ignore")
+            ((a ** 3).sum() + (b ** 3).sum()).backward(create_graph=True)
+        assert a.grad.requires_grad and b.grad.requires_grad
+        if use_fusedhooks and not returns:
+            assert [accumulated[id(p)][0] for p in (a, b)] == [a.grad.data_ptr(), b.grad.data_ptr()]  # in place
+        second = torch.autograd.grad((a.grad.float() ** 2).sum() + b.grad.sum(), [a, b])
+        grads = (a.grad.detach(), b.grad.detach())
+        a.grad = b.grad = None  # break the parameter <-> gradient cycle create_graph makes
+        names = [hook.registry.get(p).name for p in (a, b)] if hook is not None else None
+        return grads, second, hook, [accumulated[id(p)][1] for p in (a, b)], names
+
+    (expected_grads, expected_second, *_), (grads, second, hook, inputs, names) = run(False), run(True)
+    for got, expected in zip(grads + second, expected_grads + expected_second):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    assert all(s.abs().sum() > 0 for s in second)
+    assert all((g.abs() == clamped).any() and (g.abs() < clamped).any() for g in expected_grads)  # clamp: both sides
+    if options:
+        assert not hook.stats.tensor.requires_grad
+        read = hook.stats.read()
+        for name, grad, accumulated_grad in zip(names, expected_grads, inputs):
+            g64 = grad.double()
+            want = {"norm": torch.linalg.vector_norm(g64), "std": g64.std(), "nan": 0,
+                    "input.absmax": accumulated_grad.double().abs().max()}
+            for stat, value in want.items():
+                assert read[name][stat] == pytest.approx(float(value), rel=1e-12, abs=1e-12), (name, stat)
+
+
+def test_create_graph_in_place_body_eager_autograd_refuses_gives_its_out_of_place_values(backend):
+    """`grad.clamp_(-5, 5).add_(grad.square())`: square saves the gradient that add_ then overwrites, so a second
+    differentiation through the eager hook raises; the compiled hook's body reads a copy of .grad and gives the
+    values of the out-of-place form `c = grad.clamp(-5, 5); c + c.square()` (README, "create_graph")."""
+    def body(grad):
+        grad.clamp_(-5.0, 5.0).add_(grad.square())
+
+    def run(make_hook):
+        torch.manual_seed(0)
+        a, b = torch.nn.Parameter(torch.randn(5) * 1.5), torch.nn.Parameter(torch.randn(2, 3) * 1.5)
+        make_hook([a, b])
+        with warnings.catch_warnings():   # torch warns (once) that create_graph makes a reference cycle
+            warnings.simplefilter("ignore")
+            ((a ** 3).sum() + (b ** 3).sum()).backward(create_graph=True)
+        try:
+            return (a.grad.detach(), b.grad.detach()) + torch.autograd.grad((a.grad ** 2).sum() + b.grad.sum(), [a, b])
+        finally:
+            a.grad = b.grad = None  # break the parameter <-> gradient cycle create_graph makes
+
+    def eager_in_place(params):
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda p: body(p.grad))
+
+    def eager_out_of_place(params):
+        def hook(p):
+            clamped = p.grad.clamp(-5.0, 5.0)
+            p.grad = clamped + clamped.square()
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(eager_in_place)
+    expected = run(eager_out_of_place)
+    got = run(fh.grad_hook(body, backend=backend).register)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+    assert all(g.abs().sum() > 0 for g in got) and (got[0] == 30.0).any()  # (clamped to 5: 5 + 25)
 
 
 # --- dead registrations ----------------------------------------------------------------------------------
