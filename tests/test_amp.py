@@ -7,7 +7,7 @@ import torch
 
 import fusedhooks as fh
 
-from helpers import FLOAT_DTYPES, RaisingBackward, assert_same_values
+from helpers import FLOAT_DTYPES, FUSED_OPTIMIZERS, RaisingBackward, assert_same_values, optimizer_state
 
 
 def make_model():
@@ -15,8 +15,11 @@ def make_model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
-def train(model, steps, use_hook, backend, clip=0.05, inf_steps=(7,)):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def train(model, steps, use_hook, backend, clip=0.05, inf_steps=(7,), make_optimizer=None):
+    if make_optimizer is None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = make_optimizer(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
     if use_hook:
         hook = fh.grad_hook(lambda grad: grad.clamp(-clip, clip), stats=("norm", "inf"), input_stats=("nan",),
@@ -41,6 +44,8 @@ def train(model, steps, use_hook, backend, clip=0.05, inf_steps=(7,)):
         scaler.update()
         skipped.append(all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
         scales.append(scaler.get_scale())
+    if make_optimizer is not None:
+        return scales, skipped, opt
     return scales, skipped
 
 
@@ -55,6 +60,29 @@ def test_amp_loop_is_bit_identical_to_unscale_and_step(backend):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("name", FUSED_OPTIMIZERS)
+def test_a_fused_optimizer_steps_as_with_torchs_unscale(name, backend):
+    """torch's fused optimizers (fused=True) take GradScaler's found_inf, summed over devices, as their own and
+    subtract it from their 0-dim step counts: the hook's found_inf is 0-dim as torch's (a [1] one made _fused_adam
+    raise "output with shape [] doesn't match the broadcast shape [1]"). The hook unscales with the same fp32
+    multiplication as scaler.unscale_, and the step then runs the same fused kernel on the same gradients:
+    parameters, optimizer state and scales equal torch's recipe exactly (0 ulps), the overflow step (3) skipped
+    and the scale backed off."""
+    reference, hooked = make_model(), make_model()
+    hooked.load_state_dict(copy.deepcopy(reference.state_dict()))
+    make_optimizer = FUSED_OPTIMIZERS[name]
+    ref_scales, ref_skipped, ref_opt = train(reference, 6, False, backend, inf_steps=(3,), make_optimizer=make_optimizer)
+    scales, skipped, opt = train(hooked, 6, True, backend, inf_steps=(3,), make_optimizer=make_optimizer)
+    assert skipped == ref_skipped and skipped[3] and not any(skipped[:3] + skipped[4:])
+    assert scales == ref_scales and scales[3] == scales[2] / 2                   # backed off after the Inf step
+    for p, q in zip(reference.parameters(), hooked.parameters()):
+        assert_same_values(q.detach(), p.detach())
+    state, expected_state = optimizer_state(opt), optimizer_state(ref_opt)
+    assert len(state) == len(expected_state) > 0
+    for s, e in zip(state, expected_state):
+        assert_same_values(s, e)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("with_inf", [False, True])
 def test_unscale_matches_torch_and_sets_found_inf(dtype, with_inf, backend, monkeypatch):
@@ -67,7 +95,7 @@ def test_unscale_matches_torch_and_sets_found_inf(dtype, with_inf, backend, monk
     if with_inf:
         grad[999] = float("inf")
     expected = grad.clone()
-    found_ref = torch.zeros(1)
+    found_ref = torch.zeros(())                                       # 0-dim, as scaler.unscale_ makes it
     torch._amp_foreach_non_finite_check_and_unscale_([expected], found_ref, scaler._scale.double().reciprocal().float())
     hook = fh.grad_hook(stats=("max",), scaler=scaler, optimizer=opt, backend=backend)
     hook.register(p)
@@ -75,7 +103,7 @@ def test_unscale_matches_torch_and_sets_found_inf(dtype, with_inf, backend, monk
     hook(p)
     assert_same_values(p.grad, expected)
     found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")]
-    assert found.item() == found_ref.item() == float(with_inf)
+    assert found.item() == found_ref.item() == float(with_inf) and found.shape == found_ref.shape
     assert hook.plan(numel=1000, dtype=dtype).writes == 1             # unscaling writes even without a body
 
 
