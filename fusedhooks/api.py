@@ -147,6 +147,8 @@ class GradHook:
         #: the body reduces over some dimensions: it is lowered and planned for each gradient shape
         self.reduces_over_dims = graph.reduces_over_dims
         self._dims_warned = False
+        if self.stat_names:  # fh.clip_grad_norm_ may read them: a norm recorded before GradScaler.unscale_ must
+            amp.install()    # not look current after it
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
         self.registry = Registry(self.stats)
         self._buckets = Buckets(self)

@@ -20,8 +20,6 @@ from .registry import Entry, Measurement
 if TYPE_CHECKING:  # importing the kernels imports triton: keep `import fusedhooks` free of it, so that
     from .kernels import multi_tensor  # TRITON_INTERPRET can still be set after importing the package
 
-amp.install()  # a norm recorded before GradScaler.unscale_ must not look current after it
-
 #: Statistic slots that give each parameter's norm, by norm type, in order of preference, and how a
 #: recorded float64 value becomes the norm.
 _SOURCES = {

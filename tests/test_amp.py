@@ -157,8 +157,32 @@ def test_torch_unscale_then_clip_grad_norm_reads_the_unscaled_norms(backend, buc
         torch.testing.assert_close(g, e, rtol=1e-6, atol=0)
 
 
+def test_importing_fusedhooks_patches_nothing_in_torch_until_a_statistics_hook_is_made():
+    """In a fresh interpreter: GradScaler's attributes are the same objects after `import fusedhooks`; the first hook
+    recording statistics (which fh.clip_grad_norm_ may read after scaler.unscale_) wraps _unscale_grads_."""
+    import os
+    import subprocess
+    import sys
+
+    code = """if True:
+        import torch
+        from torch.amp import GradScaler
+        before = dict(vars(GradScaler))
+        import fusedhooks as fh
+        assert dict(vars(GradScaler)) == before, set(vars(GradScaler).items()) ^ set(before.items())
+        fh.grad_hook(lambda grad: grad * 2.0)                       # no statistics: nothing to protect
+        assert dict(vars(GradScaler)) == before
+        fh.grad_hook(stats=("norm",))
+        assert vars(GradScaler)["_unscale_grads_"] is not before["_unscale_grads_"]
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # this checkout's fusedhooks
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr
+
+
 def test_a_grad_scaler_subclass_defined_later_bumps_versions_too():
     """FSDP's ShardedGradScaler overrides _unscale_grads_ and may be defined after fusedhooks is imported."""
+    fh.grad_hook(stats=("norm",))                                      # the first statistics hook installs the wrap
     class MyScaler(torch.amp.GradScaler):
         def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
