@@ -362,7 +362,7 @@ class GradHook:
             holder = self._found_inf_holder.get(device)
             if (found is None or state["found_inf_per_device"].get(device) is found
                     or (holder is not None and holder() is not None and holder() is not books)):
-                found = self._found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)  # 0-dim, as torch's
+                found = self._found_inf[device] = torch.zeros((), device=device)  # fp32, 0-dim: as torch's
             else:
                 found.zero_()
             self._found_inf_holder[device] = None if books is None else weakref.ref(books)

@@ -13,7 +13,7 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every call
 
-from . import amp, distributed, runtime
+from . import distributed, runtime
 from .api import GradHook
 from .registry import Entry, Measurement
 

@@ -1,6 +1,7 @@
 """AMP: a hook with scaler= unscales in its own pass and keeps GradScaler's books like unscale_()."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -70,9 +71,9 @@ def test_a_fused_optimizer_steps_as_with_torchs_unscale(name, backend):
     and the scale backed off."""
     reference, hooked = make_model(), make_model()
     hooked.load_state_dict(copy.deepcopy(reference.state_dict()))
-    make_optimizer = FUSED_OPTIMIZERS[name]
-    ref_scales, ref_skipped, ref_opt = train(reference, 6, False, backend, inf_steps=(3,), make_optimizer=make_optimizer)
-    scales, skipped, opt = train(hooked, 6, True, backend, inf_steps=(3,), make_optimizer=make_optimizer)
+    run = functools.partial(train, steps=6, backend=backend, inf_steps=(3,), make_optimizer=FUSED_OPTIMIZERS[name])
+    ref_scales, ref_skipped, ref_opt = run(reference, use_hook=False)
+    scales, skipped, opt = run(hooked, use_hook=True)
     assert skipped == ref_skipped and skipped[3] and not any(skipped[:3] + skipped[4:])
     assert scales == ref_scales and scales[3] == scales[2] / 2                   # backed off after the Inf step
     for p, q in zip(reference.parameters(), hooked.parameters()):
