@@ -77,7 +77,8 @@ def fold(optimizer: torch.optim.Optimizer, coef: torch.Tensor, params: list[torc
                                "optimizer's grad_scale for these gradients, and the next optimizer step applies it: "
                                "clip once per step")
         _undo(optimizer, pending)  # of a step that raised, or of gradients never stepped (the iteration was dropped)
-    previous = optimizer.__dict__.get("grad_scale", _MISSING)
+    previous = optimizer.__dict__.get("grad_scale")  # None: what GradScaler.step leaves after a step that raised
+    previous = _MISSING if previous is None else previous
     reciprocal = coef.to(torch.float32).reciprocal()
     folded = reciprocal if previous is _MISSING else previous.to(reciprocal.device) * reciprocal
     optimizer.grad_scale = folded
