@@ -3,7 +3,8 @@
 `GradScaler.unscale_(optimizer)` multiplies every gradient by 1/scale in place with
 `torch._amp_foreach_non_finite_check_and_unscale_`, which does not bump the gradients' version counters. A
 statistics row that measured the scaled gradient would then still look current to `fh.clip_grad_norm_`, which
-would clip by a norm `scale` times too large. Importing fusedhooks wraps `_unscale_grads_` of GradScaler and of
+would clip by a norm `scale` times too large. The first hook recording statistics (`install()`, from GradHook;
+importing fusedhooks patches nothing in torch) wraps `_unscale_grads_` of GradScaler and of
 its subclasses (FSDP's ShardedGradScaler, defined later) so that the gradients it unscaled have their versions
 bumped afterwards, as any in-place op bumps them: nothing else changes.
 """
@@ -20,7 +21,7 @@ _WRAPPED = "__fusedhooks_bumps_versions__"
 _installed = False
 
 
-def _bump_versions(optimizer: torch.optim.Optimizer) -> None:
+def bump_versions(optimizer: torch.optim.Optimizer) -> None:
     """Bump the version of every dense gradient of `optimizer`'s parameters (of a DTensor's, its local shard's too)."""
     grads = []
     for group in optimizer.param_groups:
@@ -47,7 +48,7 @@ def _wrap(cls: type) -> None:
         try:
             return unscale(self, optimizer, *args, **kwargs)
         finally:
-            _bump_versions(optimizer)
+            bump_versions(optimizer)
 
     setattr(_unscale_grads_, _WRAPPED, True)
     cls._unscale_grads_ = _unscale_grads_

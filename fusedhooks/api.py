@@ -147,6 +147,8 @@ class GradHook:
         #: the body reduces over some dimensions: it is lowered and planned for each gradient shape
         self.reduces_over_dims = graph.reduces_over_dims
         self._dims_warned = False
+        if self.stat_names:  # fh.clip_grad_norm_ may read them: a norm recorded before GradScaler.unscale_ must
+            amp.install()    # not look current after it
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
         self.registry = Registry(self.stats)
         self._buckets = Buckets(self)
@@ -360,7 +362,7 @@ class GradHook:
             holder = self._found_inf_holder.get(device)
             if (found is None or state["found_inf_per_device"].get(device) is found
                     or (holder is not None and holder() is not None and holder() is not books)):
-                found = self._found_inf[device] = torch.zeros(1, dtype=torch.float32, device=device)
+                found = self._found_inf[device] = torch.zeros((), device=device)  # fp32, 0-dim: as torch's
             else:
                 found.zero_()
             self._found_inf_holder[device] = None if books is None else weakref.ref(books)

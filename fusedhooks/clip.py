@@ -13,14 +13,12 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every call
 
-from . import amp, distributed, runtime
+from . import distributed, fold, runtime
 from .api import GradHook
 from .registry import Entry, Measurement
 
 if TYPE_CHECKING:  # importing the kernels imports triton: keep `import fusedhooks` free of it, so that
     from .kernels import multi_tensor  # TRITON_INTERPRET can still be set after importing the package
-
-amp.install()  # a norm recorded before GradScaler.unscale_ must not look current after it
 
 #: Statistic slots that give each parameter's norm, by norm type, in order of preference, and how a
 #: recorded float64 value becomes the norm.
@@ -58,7 +56,7 @@ _layouts: weakref.WeakKeyDictionary[GradHook, dict] = weakref.WeakKeyDictionary(
 
 
 def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None) -> torch.Tensor:
+                    foreach: bool | None = None, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` over the parameters `hook` is registered on, fed by its statistics.
 
     For norm_type 2.0 the per-parameter norms are the ones the hook recorded during backward (its "norm"
@@ -105,22 +103,41 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
 
     Under torch.compile (a compiled training step) the call is one operator, `torch.ops.fusedhooks.clip_grad_norm_`
     (fusedhooks/ops.py), whose implementation is the eager call: same results, no graph break.
+
+    optimizer: the optimizer that steps these gradients next. Which path runs is decided by its type alone: one of
+    torch's Adam, AdamW, SGD or Adagrad with fused=True (`fold.folds_into`) gets the coefficient folded into its
+    `grad_scale` (`grad_scale = grad_scale so far (or 1) / coef`, float32, on the device): no pass over the
+    gradients, which stay as they are until that step divides them (and writes them back divided, as torch's
+    fused step does; their versions are bumped after it). The fold is consumed by exactly that one step, or
+    dropped if the step raises; the optimizer must step exactly the parameters the hook clips (else ValueError),
+    clip once per step (RuntimeError for a second fold on the same gradients), and gradients changed between the
+    clip and the step make that step raise RuntimeError. Not under torch.compile (RuntimeError). Any other
+    optimizer, or None: the gradients are scaled in place as described above.
     """
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"clip_grad_norm_(optimizer=...) takes a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    fold_into = optimizer if optimizer is not None and fold.folds_into(optimizer) else None
     if _is_compiling():
+        if fold_into is not None:
+            raise RuntimeError("fh.clip_grad_norm_(..., optimizer=opt) with a fused optimizer folds the coefficient "
+                               "into opt.grad_scale, which is not supported under torch.compile: call it outside the "
+                               "compiled function, or pass optimizer=None to scale the gradients in place")
         from . import ops
 
         return ops.clip_compiling(hook, max_norm, norm_type, error_if_nonfinite, foreach)
-    return _clip_eager(hook, max_norm, norm_type, error_if_nonfinite, foreach)
+    return _clip_eager(hook, max_norm, norm_type, error_if_nonfinite, foreach, fold_into=fold_into)
 
 
 @torch.no_grad()
 def _clip(hook: GradHook, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None,
-          given: list[torch.Tensor] | None = None, bumps: int = 0) -> torch.Tensor:
+          given: list[torch.Tensor] | None = None, bumps: int = 0,
+          fold_into: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """clip_grad_norm_ itself. `given`: the gradients the fusedhooks::clip_grad_norm_ op was called with, in
     _collect's order: the live `.grad` tensors, or (aot_autograd functionalizes the op) copies of them, which
     are then the ones measured and scaled, and copied back into `.grad` by the compiled graph. `bumps`: how many
     times the op's caller bumped the version of each live gradient before this call without writing it (the
-    dispatcher does so once for an argument a custom op declares mutated)."""
+    dispatcher does so once for an argument a custom op declares mutated). `fold_into`: a fused optimizer to fold the
+    coefficient into instead of scaling the gradients."""
     if not isinstance(hook, GradHook):
         raise TypeError(f"clip_grad_norm_ takes the fusedhooks hook whose statistics give the norms (e.g. "
                         f"fh.grad_hook(stats=('norm',))), not {type(hook).__name__}")
@@ -170,6 +187,12 @@ def _clip(hook: GradHook, max_norm: float, norm_type: float, error_if_nonfinite:
 
     clip_coef = max_norm / (total_norm + 1e-6)
     clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
+    if fold_into is not None:
+        if layout.key[-1]:
+            raise ValueError("clip_grad_norm_(optimizer=...) does not fold into the step of sharded (FSDP2) "
+                             "parameters: pass optimizer=None to scale the gradients in place")
+        fold.fold(fold_into, clip_coef_clamped, [e.tensor for e in entries], grads)
+        return total_norm
     # with max_norm=inf the coefficient is 1, or NaN when the total norm is not finite: the gradients are then
     # exactly their measured values times it, so a later call needs no re-read
     exact_coef = max_norm == math.inf and not copies  # a copy's version is not the gradient's
@@ -200,7 +223,7 @@ def _clip(hook: GradHook, max_norm: float, norm_type: float, error_if_nonfinite:
     return total_norm
 
 
-def _clip_eager(*args) -> torch.Tensor:
+def _clip_eager(*args, **kwargs) -> torch.Tensor:
     """`_clip(*args)`, never traced by torch.compile: when dynamo skips the frame calling clip_grad_norm_ (a frame
     holding no tensor, such as the rest of a compiled step after `loss.backward()` when the model is a global),
     the call runs eagerly, but dynamo would still compile the frames it calls (this host logic, the launch, the
@@ -208,7 +231,7 @@ def _clip_eager(*args) -> torch.Tensor:
     the first call (which imports torch._dynamo, hence triton: not at `import fusedhooks`)."""
     global _clip_eager
     _clip_eager = torch.compiler.disable(_clip)
-    return _clip_eager(*args)
+    return _clip_eager(*args, **kwargs)
 
 
 def _norm_slot(hook: GradHook, norm_type: float):

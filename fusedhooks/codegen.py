@@ -502,7 +502,7 @@ class _KernelWriter:
                  for i, dt in enumerate(g.scalar_dtypes)]
         if p.amp:
             args += [("scale", "scale_ptr,  # *fp32 [1]: GradScaler's scale; the body sees grad / scale"),
-                     ("found_inf", "found_inf_ptr,  # *fp32 [1]: set to 1.0 when the scaled gradient has a NaN/Inf")]
+                     ("found_inf", "found_inf_ptr,  # *fp32 0-dim: set to 1.0 when the scaled gradient has a NaN/Inf")]
         per = "per gradient of the bucket: " if self.multi else ""
         if self.reductions:
             args.append(("reduced", f"reduced_ptr,  # *fp64 [{len(self.reductions)}]: {per}results of the body's "

@@ -144,7 +144,7 @@ def _trial(plan, module, grad, param, scalars, stats, workspace, config: dict):
 def _amp_for_tuning(plan, device):
     if not plan.amp:
         return None
-    return torch.ones(1, device=device), torch.zeros(1, device=device)
+    return torch.ones((), device=device), torch.zeros((), device=device)
 
 
 def load_object(spec: str):

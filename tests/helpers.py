@@ -6,6 +6,21 @@ from fusedhooks.reference import tensor_stats
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
+#: torch's optimizers with a fused (fused=True) CPU step, which divides each gradient by `optimizer.grad_scale`
+#: and skips the step where `optimizer.found_inf` != 0
+FUSED_OPTIMIZERS = {
+    "Adam": lambda params: torch.optim.Adam(params, lr=0.01, fused=True),
+    "AdamW": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, fused=True),
+    "SGD": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True),
+    "Adagrad": lambda params: torch.optim.Adagrad(params, lr=0.1, fused=True),
+}
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor of `optimizer`'s per-parameter state (exp_avg, momentum_buffer, step, ...), in a fixed order."""
+    return [value for p in optimizer.state for _, value in sorted(optimizer.state[p].items())
+            if isinstance(value, torch.Tensor)]
+
 
 class RaisingBackward(torch.autograd.Function):
     """The identity, whose backward raises FloatingPointError (an OOM, a NaN guard): the layers behind it have

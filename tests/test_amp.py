@@ -1,13 +1,14 @@
 """AMP: a hook with scaler= unscales in its own pass and keeps GradScaler's books like unscale_()."""
 
 import copy
+import functools
 
 import pytest
 import torch
 
 import fusedhooks as fh
 
-from helpers import FLOAT_DTYPES, RaisingBackward, assert_same_values
+from helpers import FLOAT_DTYPES, FUSED_OPTIMIZERS, RaisingBackward, assert_same_values, optimizer_state
 
 
 def make_model():
@@ -15,8 +16,11 @@ def make_model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
-def train(model, steps, use_hook, backend, clip=0.05, inf_steps=(7,)):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def train(model, steps, use_hook, backend, clip=0.05, inf_steps=(7,), make_optimizer=None):
+    if make_optimizer is None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = make_optimizer(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
     if use_hook:
         hook = fh.grad_hook(lambda grad: grad.clamp(-clip, clip), stats=("norm", "inf"), input_stats=("nan",),
@@ -41,6 +45,8 @@ def train(model, steps, use_hook, backend, clip=0.05, inf_steps=(7,)):
         scaler.update()
         skipped.append(all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
         scales.append(scaler.get_scale())
+    if make_optimizer is not None:
+        return scales, skipped, opt
     return scales, skipped
 
 
@@ -55,6 +61,29 @@ def test_amp_loop_is_bit_identical_to_unscale_and_step(backend):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("name", FUSED_OPTIMIZERS)
+def test_a_fused_optimizer_steps_as_with_torchs_unscale(name, backend):
+    """torch's fused optimizers (fused=True) take GradScaler's found_inf, summed over devices, as their own and
+    subtract it from their 0-dim step counts: the hook's found_inf is 0-dim as torch's (a [1] one made _fused_adam
+    raise "output with shape [] doesn't match the broadcast shape [1]"). The hook unscales with the same fp32
+    multiplication as scaler.unscale_, and the step then runs the same fused kernel on the same gradients:
+    parameters, optimizer state and scales equal torch's recipe exactly (0 ulps), the overflow step (3) skipped
+    and the scale backed off."""
+    reference, hooked = make_model(), make_model()
+    hooked.load_state_dict(copy.deepcopy(reference.state_dict()))
+    run = functools.partial(train, steps=6, backend=backend, inf_steps=(3,), make_optimizer=FUSED_OPTIMIZERS[name])
+    ref_scales, ref_skipped, ref_opt = run(reference, use_hook=False)
+    scales, skipped, opt = run(hooked, use_hook=True)
+    assert skipped == ref_skipped and skipped[3] and not any(skipped[:3] + skipped[4:])
+    assert scales == ref_scales and scales[3] == scales[2] / 2                   # backed off after the Inf step
+    for p, q in zip(reference.parameters(), hooked.parameters()):
+        assert_same_values(q.detach(), p.detach())
+    state, expected_state = optimizer_state(opt), optimizer_state(ref_opt)
+    assert len(state) == len(expected_state) > 0
+    for s, e in zip(state, expected_state):
+        assert_same_values(s, e)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("with_inf", [False, True])
 def test_unscale_matches_torch_and_sets_found_inf(dtype, with_inf, backend, monkeypatch):
@@ -67,7 +96,7 @@ def test_unscale_matches_torch_and_sets_found_inf(dtype, with_inf, backend, monk
     if with_inf:
         grad[999] = float("inf")
     expected = grad.clone()
-    found_ref = torch.zeros(1)
+    found_ref = torch.zeros(())                                       # 0-dim, as scaler.unscale_ makes it
     torch._amp_foreach_non_finite_check_and_unscale_([expected], found_ref, scaler._scale.double().reciprocal().float())
     hook = fh.grad_hook(stats=("max",), scaler=scaler, optimizer=opt, backend=backend)
     hook.register(p)
@@ -75,7 +104,7 @@ def test_unscale_matches_torch_and_sets_found_inf(dtype, with_inf, backend, monk
     hook(p)
     assert_same_values(p.grad, expected)
     found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")]
-    assert found.item() == found_ref.item() == float(with_inf)
+    assert found.item() == found_ref.item() == float(with_inf) and found.shape == found_ref.shape
     assert hook.plan(numel=1000, dtype=dtype).writes == 1             # unscaling writes even without a body
 
 
@@ -129,8 +158,32 @@ def test_torch_unscale_then_clip_grad_norm_reads_the_unscaled_norms(backend, buc
         torch.testing.assert_close(g, e, rtol=1e-6, atol=0)
 
 
+def test_importing_fusedhooks_patches_nothing_in_torch_until_a_statistics_hook_is_made():
+    """In a fresh interpreter: GradScaler's attributes are the same objects after `import fusedhooks`; the first hook
+    recording statistics (which fh.clip_grad_norm_ may read after scaler.unscale_) wraps _unscale_grads_."""
+    import os
+    import subprocess
+    import sys
+
+    code = """if True:
+        import torch
+        from torch.amp import GradScaler
+        before = dict(vars(GradScaler))
+        import fusedhooks as fh
+        assert dict(vars(GradScaler)) == before, set(vars(GradScaler).items()) ^ set(before.items())
+        fh.grad_hook(lambda grad: grad * 2.0)                       # no statistics: nothing to protect
+        assert dict(vars(GradScaler)) == before
+        fh.grad_hook(stats=("norm",))
+        assert vars(GradScaler)["_unscale_grads_"] is not before["_unscale_grads_"]
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # this checkout's fusedhooks
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr
+
+
 def test_a_grad_scaler_subclass_defined_later_bumps_versions_too():
     """FSDP's ShardedGradScaler overrides _unscale_grads_ and may be defined after fusedhooks is imported."""
+    fh.grad_hook(stats=("norm",))                                      # the first statistics hook installs the wrap
     class MyScaler(torch.amp.GradScaler):
         def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)

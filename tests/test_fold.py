@@ -1,0 +1,284 @@
+"""fh.clip_grad_norm_(..., optimizer=opt) with a fused optimizer: the coefficient folded into opt.grad_scale."""
+
+import math
+
+import pytest
+import torch
+
+import fusedhooks as fh
+
+from helpers import FUSED_OPTIMIZERS, optimizer_state, torch_fp32_norm_rtol
+
+STEPS, MAX_NORM = 4, 0.5
+U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -9}  # unit roundoff
+
+
+def make_model(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5)).to(dtype)
+
+
+def train(make_optimizer, dtype, use_fh, backend, with_scaler=False, norm_type=2.0, inf_step=None):
+    """STEPS steps of torch's recipe (clip_grad_norm_ after unscale_, then step) or of fusedhooks' (a statistics
+    hook, with scaler= when there is a GradScaler, and fh.clip_grad_norm_(..., optimizer=opt)); the loss is large
+    enough that every step clips. Returns (model, optimizer, total norms, scales)."""
+    model = make_model(dtype)
+    opt = make_optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if with_scaler else None
+    if use_fh:
+        hook = fh.grad_hook(stats=("norm", "absmax"), backend=backend, scaler=scaler,
+                            optimizer=opt if with_scaler else None)
+        hook.register(model)
+    gen = torch.Generator().manual_seed(1)
+    totals, scales = [], []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        x, y = torch.randn(16, 8, generator=gen).to(dtype), torch.randn(16, 5, generator=gen).to(dtype)
+        loss = torch.nn.functional.mse_loss(model(x), y) * 20
+        if step == inf_step:
+            loss = loss * math.inf
+        if scaler is None:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+            if not use_fh:
+                scaler.unscale_(opt)
+        if use_fh:
+            totals.append(fh.clip_grad_norm_(hook, MAX_NORM, norm_type, optimizer=opt))
+        else:
+            totals.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type))
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        assert "grad_scale" not in vars(opt)  # consumed by this step, nothing left behind
+    return model, opt, totals, scales
+
+
+def coef_rtol(dtype, norm_type, numels):
+    """Relative difference of the gradient the step sees: torch's fl(g * coef) against the fused step's
+    fl(g / fl(1 / coef)) (3 roundings of fp32 between them), plus the coefficient's own difference: for the
+    2-norm torch's fp32 norm against the correctly rounded recorded one; for bf16 one bf16 ulp of the total norm
+    (torch's bf16 norms against the recorded ones rounded to bf16) and torch's rounding of the clipped gradient
+    to bf16, which the fused step (in fp32) does not do."""
+    if dtype == torch.bfloat16:
+        return 3 * 2.0 ** -24 + 4 * U[torch.bfloat16]
+    return 3 * 2.0 ** -24 + (torch_fp32_norm_rtol(numels) if norm_type == 2.0 else 0.0)
+
+
+def assert_close_after_steps(actual, expected, start, delta, steps):
+    """|a - e| <= steps * (8 * delta * max|e - start| + 2 u |e|): each step perturbs the gradient by delta
+    relative, which the optimizer's update passes on at most 8-fold (m / sqrt(v), a sum of squares, momentum),
+    plus the rounding of each stored value to its dtype (2 ulps: either side may round the other way)."""
+    a, e, s = actual.double(), expected.double(), start.double()
+    bound = steps * (8 * delta * (e - s).abs().max() + 2 * U[expected.dtype] * e.abs())
+    bad = (a - e).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} of {a.numel()} differ: {a[bad][:4].tolist()} vs {e[bad][:4].tolist()}"
+
+
+def assert_trains_as_torch(name, dtype, backend, **kwargs):
+    if name == "SGD" and dtype == torch.bfloat16:
+        pytest.skip("torch's fused CPU SGD is wrong on bfloat16 tensors of 16 or more elements, grad_scale or not "
+                    "(torch 2.13: its momentum buffer and parameters differ from SGD(fused=False) by orders of "
+                    "magnitude), so it cannot serve as the reference")
+    expected_model, expected_opt, expected_totals, expected_scales = train(FUSED_OPTIMIZERS[name], dtype, False,
+                                                                           backend, **kwargs)
+    model, opt, totals, scales = train(FUSED_OPTIMIZERS[name], dtype, True, backend, **kwargs)
+    start = make_model(dtype)
+    delta = coef_rtol(dtype, kwargs.get("norm_type", 2.0), [p.numel() for p in start.parameters()])
+    assert scales == expected_scales
+    for total, expected in zip(totals, expected_totals):
+        assert total.dtype == expected.dtype
+        torch.testing.assert_close(total, expected, rtol=delta, atol=0, equal_nan=True)
+    for p, e, s in zip(model.parameters(), expected_model.parameters(), start.parameters()):
+        assert_close_after_steps(p.detach(), e.detach(), s.detach(), delta, STEPS)
+    state, expected_state = optimizer_state(opt), optimizer_state(expected_opt)
+    assert len(state) == len(expected_state) > 0
+    for t, e in zip(state, expected_state):
+        assert t.dtype == e.dtype
+        assert_close_after_steps(t, e, torch.zeros_like(e), delta, STEPS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", FUSED_OPTIMIZERS)
+def test_folded_clip_trains_as_torchs_clip_and_step(name, dtype, backend):
+    assert_trains_as_torch(name, dtype, backend)
+
+
+@pytest.mark.parametrize("name", FUSED_OPTIMIZERS)
+def test_folded_inf_norm_clip_trains_as_torchs(name, backend):
+    """The inf norm is exact (absmax): only the fold's roundings differ from torch's product."""
+    assert_trains_as_torch(name, torch.float32, backend, norm_type=math.inf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", FUSED_OPTIMIZERS)
+def test_folded_clip_with_grad_scaler_trains_as_torchs_recipe(name, dtype, backend):
+    """With a scaler= hook (no unscale_ call) against scaler.unscale_ + clip_grad_norm_; step 2 overflows: skipped
+    by both, and the scale backed off."""
+    assert_trains_as_torch(name, dtype, backend, with_scaler=True, inf_step=2)
+
+
+def small_setup(backend, make_optimizer=FUSED_OPTIMIZERS["Adam"]):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(7)), torch.nn.Parameter(torch.randn(3, 5))]
+    opt = make_optimizer(params)
+    hook = fh.grad_hook(stats=("norm",), backend=backend)
+    hook.register(params)
+    return params, opt, hook
+
+
+def backward(params, scale=10.0):
+    sum(((p * scale) ** 2).sum() for p in params).backward()
+
+
+def test_the_fold_leaves_the_gradients_to_the_step(backend):
+    """Which path ran: the gradients are untouched and opt.grad_scale is 1 / coef until the step, which divides the
+    gradients (writing them back, their versions bumped) and takes grad_scale away."""
+    params, opt, hook = small_setup(backend)
+    backward(params)
+    grads = [p.grad.clone() for p in params]
+    total = fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+    coef = MAX_NORM / (total + 1e-6)
+    assert opt.grad_scale.dtype == torch.float32 and opt.grad_scale.shape == ()
+    assert opt.grad_scale.item() == coef.reciprocal().item()
+    versions = [p.grad._version for p in params]
+    opt.step()
+    assert "grad_scale" not in vars(opt)
+    assert all(p.grad._version > v for p, v in zip(params, versions))
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(p.grad, g * coef, rtol=4 * 2.0 ** -24, atol=0)
+    assert fh.clip_grad_norm_(hook, math.inf).item() == pytest.approx(MAX_NORM, rel=1e-5)  # re-measured
+
+
+def test_a_user_set_grad_scale_is_divided_by_the_coefficient_and_put_back(backend):
+    params, opt, hook = small_setup(backend)
+    backward(params)
+    user_scale = torch.tensor(4.0)
+    opt.grad_scale = user_scale
+    total = fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+    assert opt.grad_scale.item() == (4.0 * (MAX_NORM / (total + 1e-6)).reciprocal()).item()
+    opt.step()
+    assert opt.grad_scale is user_scale
+
+
+def test_a_step_that_raises_leaves_no_scale_behind(backend):
+    """The fold of a step that raised is never applied again: the next step (without a clip) sees no grad_scale."""
+    params, opt, hook = small_setup(backend)
+    backward(params)
+    fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+    handle = opt.register_step_pre_hook(raising_pre_hook)
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    handle.remove()
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref_opt = FUSED_OPTIMIZERS["Adam"](reference)
+    for p, r in zip(params, reference):
+        r.grad = p.grad.clone()
+    opt.step()                                                    # no clip this time: the gradients as they are
+    ref_opt.step()
+    assert "grad_scale" not in vars(opt)
+    assert all(torch.equal(p, r) for p, r in zip(params, reference))
+
+
+def raising_pre_hook(optimizer, args, kwargs):
+    raise FloatingPointError("a step that raises")
+
+
+def test_a_step_that_raises_inside_grad_scaler_step_leaves_no_scale_behind(backend):
+    """GradScaler.step copies the fold (the optimizer being unscaled) and would keep it after a step that raised;
+    the next iteration's clip replaces it, and its step divides by that one coefficient only."""
+    params, opt, hook = small_setup(backend)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    backward(params)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)                                          # nothing to unscale: the loss was not scaled
+    fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+    handle = opt.register_step_pre_hook(raising_pre_hook)
+    with pytest.raises(FloatingPointError):
+        scaler.step(opt)
+    handle.remove()
+    opt.zero_grad()
+    scaler.update()
+    backward(params, scale=100.0)
+    scaler.unscale_(opt)
+    total = fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+    grads = [p.grad.clone() for p in params]
+    scaler.step(opt)
+    scaler.update()
+    assert "grad_scale" not in vars(opt) and "found_inf" not in vars(opt)
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(p.grad, g * (MAX_NORM / (total + 1e-6)), rtol=4 * 2.0 ** -24, atol=0)
+
+
+def test_refusals(backend):
+    params, opt, hook = small_setup(backend)
+    backward(params)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        fh.clip_grad_norm_(hook, MAX_NORM, optimizer=object())
+    other = torch.nn.Parameter(torch.ones(2))
+    other.grad = torch.ones(2)
+    with pytest.raises(ValueError, match="exactly the parameters the hook clips"):
+        fh.clip_grad_norm_(hook, MAX_NORM, optimizer=FUSED_OPTIMIZERS["Adam"]([*params, other]))
+    fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+    with pytest.raises(RuntimeError, match="clip once per step"):
+        fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+    params[0].grad.mul_(2.0)                                      # an edit between the clip and the step
+    with pytest.raises(RuntimeError, match="gradients changed"):
+        opt.step()
+    assert "grad_scale" not in vars(opt)
+    params64 = [torch.nn.Parameter(torch.randn(3, dtype=torch.float64))]
+    hook64 = fh.grad_hook(stats=("norm",), backend=backend)
+    hook64.register(params64)
+    backward(params64)
+    with pytest.raises(ValueError, match="float64"):
+        fh.clip_grad_norm_(hook64, MAX_NORM, optimizer=FUSED_OPTIMIZERS["Adam"](params64))
+
+
+def test_a_new_backward_after_an_unstepped_fold_is_clipped_once():
+    """An iteration dropped between the clip and the step (zero_grad, a new backward): its fold is replaced."""
+    params, opt, hook = small_setup("eager")
+    backward(params)
+    fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+    opt.zero_grad()
+    backward(params, scale=3.0)
+    total = fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+    assert opt.grad_scale.item() == (MAX_NORM / (total + 1e-6)).reciprocal().item()
+
+
+def test_a_non_fused_optimizer_takes_the_scaling_path_bit_for_bit(backend):
+    results = []
+    for make_optimizer in (None, torch.optim.Adam, lambda params: torch.optim.SGD(params, lr=0.1)):
+        params, _, hook = small_setup(backend)
+        opt = make_optimizer(params) if make_optimizer else None
+        backward(params)
+        total = fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+        assert opt is None or "grad_scale" not in vars(opt)
+        results.append((total, [p.grad for p in params]))
+    for total, grads in results[1:]:
+        assert torch.equal(total, results[0][0])
+        assert all(torch.equal(g, e) for g, e in zip(grads, results[0][1]))
+
+
+def test_the_fold_in_a_compiled_function_runs_eagerly_or_is_refused():
+    """dynamo runs the call eagerly (the fold as outside torch.compile); where it would trace it, the call raises
+    RuntimeError (not supported under torch.compile): never a fold traced into a graph."""
+    params, opt, hook = small_setup("eager")
+
+    @torch.compile(backend="eager")
+    def clip(x):
+        return fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt) * x
+
+    backward(params)
+    try:
+        total = clip(torch.ones(()))
+    except RuntimeError as e:
+        assert "not supported under torch.compile" in str(e)
+        assert "grad_scale" not in vars(opt)
+        return
+    assert opt.grad_scale.item() == (MAX_NORM / (total + 1e-6)).reciprocal().item()
+    opt.step()
+    assert "grad_scale" not in vars(opt)
