@@ -10,6 +10,9 @@ from fusedhooks.integrations.transformers import FusedHooksCallback
 
 from helpers import record_processing, torch_fp32_norm_rtol
 
+#: every test trains with a real Trainer (about 40 s for the module on 2 CPU cores)
+pytestmark = pytest.mark.slow
+
 
 class TokenDataset(torch.utils.data.Dataset):
     def __init__(self, n: int):
