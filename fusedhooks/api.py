@@ -538,8 +538,8 @@ class GradHook:
         DDP's communication hook, keyed by `ddp_model.module`'s parameter names. Registered on a module (or
         tensors) of a process group of several ranks otherwise, the hook processes each rank's own gradient
         at its firing, and warns once (LocalGradientWarning). FSDP2 (fully_shard, before or after this call):
-        each rank's shard is processed in place; statistics are those of the whole parameter. See README,
-        "Distributed training".
+        each rank's shard is processed in place; statistics are those of the whole parameter. See
+        docs/distributed.md.
         """
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name= takes a non-empty string (a tensor's key in stats.read(), or a module's prefix), "
@@ -920,9 +920,9 @@ def grad_hook(fn=None, *, stats=(), input_stats=(), backend: str | None = None, 
 
     Use bare (`@fh.grad_hook`), with options (`@fh.grad_hook(stats=("norm",))`), or without a function
     for a statistics-only hook. stats / input_stats: statistic names, "hist", or "all", measured after /
-    before the body. backend: "auto" (default), "triton", "eager" or "reference" (see README, environment variables).
+    before the body. backend: "auto" (default), "triton", "eager" or "reference" (see docs/environment.md).
     scaler, optimizer: a torch.amp.GradScaler and the optimizer it steps: the body sees the unscaled
-    gradient and the scaler's books are kept (see README, AMP). hist_range: (lo, hi) exponents of the
+    gradient and the scaler's books are kept (see docs/clipping.md, AMP). hist_range: (lo, hi) exponents of the
     "hist" bins, default (-40, 8).
     """
     if isinstance(fn, GradHook):  # a decorated function, compiled again with these options

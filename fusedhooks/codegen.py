@@ -268,7 +268,7 @@ class _Emitter:
         under clamp(min=0.0), and maximum(-0.0, 0.0) is -0.0. A select on comparisons gives the same bits on every
         device (tl.maximum/tl.minimum decide signed zeros and NaN differently in the interpreter and on the GPU).
         Zero ties are decided as torch's scalar code, its CUDA kernels and every CPU clamp with number bounds do;
-        README (Precision) names the vectorised CPU loops that return y instead."""
+        docs/supported-ops.md (Precision) names the vectorised CPU loops that return y instead."""
         if not is_float:
             return f"tl.{which}imum({x}, {y})"
         beyond = f"{y} > {x}" if which == "max" else f"{y} < {x}"

@@ -74,7 +74,7 @@ def _fire_eager(hook: GradHook, param: torch.Tensor) -> None:
 
 def fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
     """What a hook does when called while torch.compile traces it: one call of fusedhooks::fire, for each
-    gradient at its own firing (a hook registered with bucket_mb= too: see README, "torch.compile")."""
+    gradient at its own firing (a hook registered with bucket_mb= too: see docs/compile.md)."""
     grad = param.grad
     if grad is None:
         return

@@ -37,7 +37,7 @@ class CompileError(TypeError):
     """A hook body that fusedhooks cannot compile; raised when the function is decorated."""
 
 
-SUPPORTED_HINT = "See 'Supported ops' in the fusedhooks README (fusedhooks.supported_ops() lists them)."
+SUPPORTED_HINT = "See docs/supported-ops.md in the fusedhooks repository (fusedhooks.supported_ops() lists them)."
 
 #: dtypes a value inside a hook body may have
 BODY_DTYPES = FLOAT_DTYPES + (torch.bool, torch.int32, torch.int64)

@@ -15,6 +15,9 @@ FIELDS = ("workload", "provider", "dtype", "numel", "status", "reason", "median_
           "bytes_per_element", "gbps", "copy_gbps", "copy_ratio", "host_us_per_firing", "gradients", "launches",
           "launches_how", "fusedhooks_plan", "vs_fusedhooks", "added_pct")
 
+#: every test runs benchmarks/run.py in a subprocess (about 2.5 minutes for the module on 2 CPU cores)
+pytestmark = pytest.mark.slow
+
 
 def run_bench(out: Path, *args: str, interpret: bool = False) -> tuple[dict, str]:
     """Run benchmarks/run.py --device cpu in a subprocess; returns (results.json, stdout)."""

@@ -36,6 +36,7 @@ def _of(reports, target, dtypes=None):
     return [r for r in reports if r["target"] == target and (dtypes is None or r["dtype"] in dtypes)]
 
 
+@pytest.mark.slow       # the tests of `reports`: about 10 minutes with a cold Triton cache
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_kernel_family_builds(reports, target):
     built = _of(reports, target)
@@ -54,17 +55,20 @@ def test_every_kernel_family_builds(reports, target):
     assert all(r["registers"] for r in built), "the report names every kernel's registers"
 
 
+@pytest.mark.slow
 def test_cuda90_no_spills(reports):
     spilling = [(r["family"], r["dtype"], r["kernel"], r["spills"]) for r in _of(reports, "cuda:90") if r["spills"]]
     assert spilling == []
 
 
+@pytest.mark.slow
 def test_cuda90_registers_at_most_128(reports):
     heavy = [(r["family"], r["dtype"], r["kernel"], r["registers"])
              for r in _of(reports, "cuda:90") if r["registers"] > 128]
     assert heavy == []
 
 
+@pytest.mark.slow
 def test_cuda90_gradient_accesses_are_128_bit_vectors(reports):
     """For an aligned gradient whose size is a multiple of 16 bytes: the widest global load of every kernel, and
     the widest store of every kernel that writes the gradient, is 128 bits; for fp16/bf16 (where only the gradient

@@ -259,7 +259,7 @@ def test_import_loads_neither_triton_nor_the_ops():
 def test_compiled_training_matches_eager_cuda(mode):
     """On CUDA, through inductor: the op's implementation launches the generated kernels on the device.
     (It goes through the opaque fusedhooks::fire op; kernels visible to inductor through triton_op are
-    not implemented yet, see README "torch.compile".)"""
+    not implemented yet, see docs/compile.md.)"""
     def run(compile_mode, hooked):
         torch._dynamo.reset()
         counters.clear()

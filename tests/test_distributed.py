@@ -40,6 +40,7 @@ def spawn(fn, world: int, backend: str = "gloo", timeout: float = TIMEOUT) -> No
                 p.kill()
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks():
     """register(ddp_model): the averaged gradient, both bucket-view settings, no_sync, several buckets,
     clip_grad_norm_, AGC (a body planned per shape); a hook on the wrapped module: local gradients and one warning;
@@ -47,6 +48,7 @@ def test_ddp_two_ranks():
     spawn(dist_workers.ddp_all, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3], ids=["2-ranks", "3-ranks-empty-shard"])
 def test_fsdp2(world):
     spawn(dist_workers.fsdp, world)

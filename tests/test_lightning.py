@@ -10,6 +10,9 @@ from fusedhooks.integrations.lightning import FusedHooksCallback
 
 from helpers import record_processing
 
+#: every test fits with a real lightning.pytorch.Trainer (about 40 s for the module on 2 busy CPU cores)
+pytestmark = pytest.mark.slow
+
 
 class Regression(pl.LightningModule):
     def __init__(self):

@@ -224,7 +224,7 @@ BODIES = {
 
 
 #: ulps for pow with a non-special exponent: torch's CPU pow is off by up to ~5 fp32 ulps (measured
-#: against float64); the kernel's fp64 pow is within 2 + |exponent| / 2 ulps of torch's (README, Precision;
+#: against float64); the kernel's fp64 pow is within 2 + |exponent| / 2 ulps of torch's (docs/supported-ops.md;
 #: test_pow_fp64_within_its_bound_over_every_binade), here |exponent| <= 3
 POW_ULPS = {torch.float32: 8, torch.float16: 1, torch.bfloat16: 1, torch.float64: 4}
 
@@ -342,7 +342,7 @@ def _ordered(x: torch.Tensor) -> torch.Tensor:
 def test_pow_fp64_within_its_bound_over_every_binade(exponent, backend, monkeypatch):
     """fp64 pow of bases spread over every binade (random bit patterns, subnormals included): within
     2 + |exponent| / 2 ulps of torch's CPU pow where the result is finite and nonzero, and exactly torch's
-    0 or inf where it under- or overflows (README, Precision). The bound is measured (200 000 bases per
+    0 or inf where it under- or overflows (docs/supported-ops.md, Precision). The bound is measured (200 000 bases per
     exponent, exponents up to 100): the kernel's log2 of the base's mantissa, rounded, is scaled by |exponent|."""
     monkeypatch.setenv("FUSEDHOOKS_BLOCK", "16384")
     gen = torch.Generator().manual_seed(7)
@@ -386,7 +386,7 @@ def test_clamp_with_number_bounds_keeps_signed_zeros_like_torch(name, dtype, bac
 
 
 #: tensor operands: torch's scalar code returns the first operand (x) on a tie of zeros, as its CUDA kernels do
-#: for clamp; its vectorised CPU loops return the other one (README, Precision), so the oracle of the Triton
+#: for clamp; its vectorised CPU loops return the other one (docs/supported-ops.md), so the oracle of the Triton
 #: backend is torch one element at a time (the eager and reference backends run torch's loops themselves)
 PAIR_BODIES = {
     "maximum(g,p)": lambda g, p: torch.maximum(g, p), "minimum(g,p)": lambda g, p: torch.minimum(g, p),

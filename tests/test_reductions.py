@@ -191,7 +191,7 @@ def subnormals(fi):
 ])
 def test_reductions_beyond_float32_accumulators(fn, reduction, values, dtype, backend, monkeypatch):
     """Where torch's float32 accumulator overflows (Inf/NaN) or underflows (0), the kernels' reductions are the true
-    value rounded once to the dtype (README, "Reductions in the body"); the eager and reference backends run torch's."""
+    value rounded once to the dtype (docs/reductions.md); the eager and reference backends run torch's."""
     monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")
     grad = torch.tensor(values(torch.finfo(dtype)), dtype=dtype)
     torch_result = eager_expected(lambda g: fn(g), grad, grad)
@@ -206,7 +206,7 @@ def test_reductions_beyond_float32_accumulators(fn, reduction, values, dtype, ba
                          ids=["max", "amin", "abs_amax"])
 def test_extrema_of_signed_zeros(body, programs, backend, monkeypatch):
     """All -0.0: every extremum is -0.0, bit for bit, as torch's; +0.0 and -0.0 mixed: a zero of either sign (torch's
-    own sign depends on where the zeros lie, README "Reductions in the body")."""
+    own sign depends on where the zeros lie, docs/reductions.md)."""
     if programs == "several":
         monkeypatch.setenv("FUSEDHOOKS_BLOCK", "16")
     for dtype in (torch.float32, torch.bfloat16):

@@ -10,6 +10,9 @@ from fusedhooks.integrations.transformers import FusedHooksCallback
 
 from helpers import record_processing, torch_fp32_norm_rtol
 
+#: every test trains with a real Trainer (about 40 s for the module on 2 CPU cores)
+pytestmark = pytest.mark.slow
+
 
 class TokenDataset(torch.utils.data.Dataset):
     def __init__(self, n: int):
@@ -163,8 +166,9 @@ def test_report_to_callbacks_see_the_statistics_when_it_runs_first(tmp_path, mon
 
 
 def test_trainer_subclass_reads_no_gradient_for_its_grad_norm_log(tmp_path):
-    """README's recipe: Trainer._get_grad_norm clips through the callback and returns its total norm, so Trainer's
-    grad_norm log costs no extra read of the gradients (accelerate's clip_grad_norm_ is never called)."""
+    """The recipe of docs/integrations.md: Trainer._get_grad_norm clips through the callback and returns its total
+    norm, so Trainer's grad_norm log costs no extra read of the gradients (accelerate's clip_grad_norm_ is never
+    called)."""
     callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)
 
     class FusedHooksTrainer(Trainer):

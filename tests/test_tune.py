@@ -36,6 +36,7 @@ def run(args, env, code=None):
     return out.stdout
 
 
+@pytest.mark.slow       # tunes in the interpreter, then a second process: about a minute
 def test_tune_writes_the_cache_and_a_later_process_uses_it(tmp_path):
     cache = tmp_path / "tuning.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "FUSEDHOOKS_CACHE_DIR": str(tmp_path / "kernels")}

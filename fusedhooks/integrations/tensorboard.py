@@ -17,7 +17,7 @@ def log_to_tensorboard(writer, hook: GradHook, step: int, prefix: str = "grad/",
 
     Scalars: `hook.stats.to_scalars(prefix)` (`grad/fc.weight/norm`, ...). Histograms: each "hist" statistic as
     `f"{prefix}{name}/hist"` (`.../input.hist` for input_stats) over the gradient's magnitudes |g|, one TensorBoard
-    bucket per power-of-two bin: upper limits 2^(k+1) for k = lo .. hi-1 (see README, Histograms: the first bin
+    bucket per power-of-two bin: upper limits 2^(k+1) for k = lo .. hi-1 (see docs/statistics.md: the first bin
     also holds zeros and smaller values, the last larger values and Inf). min and max are the bounds of the
     non-empty bins (0 when the first bin is not empty); sum and sum_squares, which TensorBoard's histogram
     dashboard does not draw, are estimated from the bins' geometric centres, since the hook does not record

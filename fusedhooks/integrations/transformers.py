@@ -28,7 +28,7 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
       otherwise: it would clip twice). Trainer then still computes the total norm it logs as `grad_norm`: one more
       read of every gradient (accelerate's `clip_grad_norm_` with `max_norm=inf`). To save that read, override
       `Trainer._get_grad_norm` to return `callback.clip_grad_norm().item()` (it clips there, once per step;
-      README, "Hugging Face Trainer").
+      docs/integrations.md, "Hugging Face Trainer").
     - Logging: `hook.stats.to_scalars(prefix)` (`grad/<parameter>/<statistic>`), and `grad/total_norm` when it
       clips, join Trainer's training logs (`trainer.state.log_history` and the `logs` passed to later callbacks'
       `on_log`): at every training log (Trainer's `logging_steps`) when `log_every` is None, else every
