@@ -3,6 +3,8 @@
 import concurrent.futures
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -183,3 +185,19 @@ def test_build_prints_a_header_over_its_columns(capsys, monkeypatch):
         assert (header.index(name) == line.index(value)) if left else \
             (header.index(name) + len(name) == line.index(value, header.index(name)) + len(value)), (name, value)
     assert legend.startswith("# regs: ") and summary.startswith("# cuda:90: 1 kernels")
+
+
+def test_benchmark_reports_a_line_per_case(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the eager backend: fast
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout's fusedhooks
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--device", "cpu", "--quick",
+                           "--out", str(tmp_path), "--workloads", "clip_scale,overhead", "--providers",
+                           "fusedhooks,eager", "--dtype", "fp32", "--sizes", "1K,3K"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("benchmarks [")]
+    assert [line.split(":")[0] for line in lines] == [
+        "benchmarks [1/5] clip_scale fusedhooks fp32 1K", "benchmarks [2/5] clip_scale eager fp32 1K",
+        "benchmarks [3/5] clip_scale fusedhooks fp32 3K", "benchmarks [4/5] clip_scale eager fp32 3K",
+        "benchmarks [5/5] overhead"], proc.stderr
+    assert all(line.endswith(" us") for line in lines[:4]), lines
