@@ -35,6 +35,7 @@ from harness import (
 )
 from workloads import MODEL_WORK, PROVIDERS, WORKLOADS, Env, Impl, NotApplicable
 
+from fusedhooks.progress import Progress
 from fusedhooks.testing import GPT2Config, gpt2, synthetic_batch, train_step
 
 SIZE_PRESETS = {
@@ -120,11 +121,23 @@ class Bench:
         self.host_reps = 20 if cuda else 3 if args.quick else 10
         self.deadline = time.monotonic() + (args.budget_s if args.budget_s is not None else float("inf"))
         self.baseline_kernels: dict[torch.dtype, int] = {}
+        providers = len(args.providers) + ("no hook" not in args.providers)  # the model step's baseline
+        cases = {"model": len(args.dtypes) * providers, "overhead": 1}
+        self.progress = Progress(sum(cases.get(w, len(args.dtypes) * len(args.sizes) * len(args.providers))
+                                     for w in args.workloads), "benchmarks")
 
     # --- one case
 
     def case(self, result: dict, build, kind, scale: float = 1.0) -> None:
-        """Measure one (workload, provider, dtype, size): `kind` (SweepCall or ModelStep) gives the call to time."""
+        """Measure one (workload, provider, dtype, size): `kind` (SweepCall or ModelStep) gives the call to time;
+        a progress line says what came of it."""
+        self._case(result, build, kind, scale)
+        size = "" if result["numel"] is None else f" {human(result['numel'])}"
+        outcome = f"{result['median_us']:.1f} us" if result["status"] == "ok" else \
+            f"{result['status']}: {result.get('reason', '')}"
+        self.progress.step(f"{result['workload']} {result['provider']} {result['dtype']}{size}: {outcome}")
+
+    def _case(self, result: dict, build, kind, scale: float) -> None:
         self.report.results.append(result)
         if time.monotonic() > self.deadline:
             result.update(status="skipped", reason="time budget (--budget-s) spent")
@@ -344,12 +357,14 @@ def main(argv=None) -> int:
                 bench.model()
             elif name == "overhead":
                 report.overhead = overhead.measure(device, args.dtypes, args.quick)
+                bench.progress.step("overhead: host time per firing")
             else:
                 bench.sweep(name)
             report.write_json(args.out)
     except KeyboardInterrupt:  # e.g. `timeout -s INT`: report what was measured
         report.info["interrupted"] = True
         print("interrupted: reporting what was measured so far", file=sys.stderr)
+    bench.progress.close()
     report.settings["float32_matmul_precision"] = torch.get_float32_matmul_precision()
     markdown = report.markdown()
     print(markdown)

@@ -1,4 +1,13 @@
-"""Command line: `python -m fusedhooks demo` (see `python -m fusedhooks --help`)."""
+"""The fusedhooks command line.
+
+  demo   train a small model with a compiled clip + statistics hook; print what it measured and its plan
+  tune   time launch configurations of a hook's kernels on this GPU and cache the fastest (CUDA; on CPU,
+         where the kernels run in the Triton interpreter, only with --force)
+  build  compile every kernel family for GPU targets (no GPU needed); report registers, spills and the widths
+         of global loads and stores
+
+`python -m fusedhooks COMMAND --help` lists a command's options.
+"""
 
 import argparse
 import os
@@ -29,26 +38,57 @@ def _writable(text: str) -> str:
     return text
 
 
+def _device(parser: argparse.ArgumentParser, option: str, text: str | None) -> str:
+    """--device: "cpu", "cuda" or "cuda:N" of a CUDA device torch sees (default: cuda if available, else cpu);
+    anything else is a usage error."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if text is None:
+        return "cuda" if cuda else "cpu"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        parser.error(f"{option}: cpu or cuda, not {text!r}")
+    if device.type == "cuda" and not cuda:
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+        parser.error(f"{option} {text}: {why}; run on a machine with a CUDA GPU, or use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        parser.error(f"{option} {text}: there are {torch.cuda.device_count()} CUDA device(s) here")
+    return text
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fusedhooks", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small model with a compiled clip + statistics hook")
+    parser = argparse.ArgumentParser(prog="python -m fusedhooks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    about = "train a small model with a compiled clip + statistics hook; print what it measured and its plan"
+    demo = sub.add_parser("demo", help=about, description=about)
     demo.add_argument("--steps", type=_steps, default=20, help="training steps (default 20)")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     demo.add_argument("--backend", default="auto", choices=("auto", "triton", "eager", "reference"),
                       help="on CPU, 'auto' runs the Triton kernels in the interpreter (TRITON_INTERPRET=1)")
-    tune = sub.add_parser("tune", help="measure launch configurations for a hook's kernels and cache the best")
+    about = "time launch configurations (BLOCK, warps, stages) of a hook's kernels and cache the fastest"
+    tune = sub.add_parser("tune", help=about, description=about + ". It prints a line per configuration to stderr "
+                          "(a bar with tqdm). On CPU the kernels run in the Triton interpreter, whose timings say "
+                          "nothing about a GPU: it tunes there only with --force, in quick mode.")
     tune.add_argument("--hook", help="module:attr of a fusedhooks GradHook (default: clip + scale + all stats)")
     tune.add_argument("--model", help="module:attr of an nn.Module (or a function returning one): tune for "
                                       "its parameters' sizes and dtypes")
     tune.add_argument("--sizes", help="comma-separated gradient sizes, e.g. 4K,1M,16M")
     tune.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16, fp64")
-    tune.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    tune.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     tune.add_argument("--quick", action="store_true", help="few sizes and configurations (CI)")
+    tune.add_argument("--force", action="store_true", help="tune on CPU anyway: the Triton interpreter's timings, "
+                                                           "in quick mode (CI checks the mechanism this way)")
     tune.add_argument("--out", type=_writable, help="the tuning cache file (default: FUSEDHOOKS_TUNE_CACHE or "
                                     "<cache dir>/tuning.json)")
-    build = sub.add_parser("build", help="compile every kernel family for GPU targets (no GPU needed) and report "
-                                         "registers, spills and load/store widths")
+    about = ("compile every kernel family for GPU targets (no GPU needed) and report registers, spills and "
+             "load/store widths")
+    build = sub.add_parser("build", help=about, description=about + ", a line per kernel (progress on stderr). "
+                           "Run it without TRITON_INTERPRET.")
     build.add_argument("--target", default="cuda:90", help="cuda:80, cuda:90, hip:gfx942, a comma-separated list, "
                                                            "or all (default cuda:90)")
     build.add_argument("--dtypes", default="fp32,bf16,fp16,fp64", help="comma-separated: fp32, bf16, fp16, fp64")
@@ -58,21 +98,23 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "build":
         from .build import main as build_main
-        return build_main(args)
+        try:
+            return build_main(args)
+        except argparse.ArgumentTypeError as e:
+            build.error(str(e))
     if args.command == "tune":
-        import torch
+        args.device = _device(tune, "tune --device", args.device)
         if args.out:
             os.environ["FUSEDHOOKS_TUNE_CACHE"] = args.out
-        if not torch.cuda.is_available() and (args.device or "cpu") == "cpu":
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # the CPU timer and the interpreter (CI)
+        if args.device == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # the CPU timer and the interpreter (--force)
         from .tune import main as tune_main
-        return tune_main(args)
+        try:
+            return tune_main(args)
+        except argparse.ArgumentTypeError as e:
+            tune.error(str(e))
     if args.command == "demo":
-        import torch
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
-            parser.error(f"demo --device: cpu{', cuda' if torch.cuda.is_available() else ' (no CUDA device here)'}, "
-                         f"not {device!r}")
+        device = _device(demo, "demo --device", args.device)
         if device == "cpu" and args.backend not in ("eager", "reference"):
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel is compiled
         from .demo import run_demo

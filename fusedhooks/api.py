@@ -676,11 +676,14 @@ class GradHook:
         lines, total = [], 0
         for (device, dtype, bucket_bytes, averaged), tensors in groups.items():
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            backend = self.plan(shape=tuple(tensors[0].shape), dtype=dtype, device=device).backend
+            torch_ops = "" if backend == "triton" else (f"; backend {backend}: eager torch ops, no kernel is "
+                                                         "launched (the count is the Triton backend's)")
             if self.reduces_over_dims:  # planned per shape: a bucket launches each of its kernel sets' passes
                 launches, how = self._explain_per_shape(device, dtype, tensors, bucket_bytes, averaged, nbytes)
                 total += launches
                 lines.append(f"  {device} {str(dtype).removeprefix('torch.')}: {len(tensors)} tensors, "
-                             f"{nbytes / 2**20:.2f} MB of gradients, {how}: <= {launches} launches")
+                             f"{nbytes / 2**20:.2f} MB of gradients, {how}: <= {launches} launches{torch_ops}")
                 continue
             plan = self.plan(numel=1 << 30, dtype=dtype, device=device)
             passes = plan.levels + 1
@@ -696,7 +699,7 @@ class GradHook:
                 how = "each processed at its own firing"
             total += launches
             lines.append(f"  {device} {str(dtype).removeprefix('torch.')}: {len(tensors)} tensors, "
-                         f"{nbytes / 2**20:.2f} MB of gradients, {how}: <= {launches} launches")
+                         f"{nbytes / 2**20:.2f} MB of gradients, {how}: <= {launches} launches{torch_ops}")
         return BackwardPlan(total, "\n".join([f"fusedhooks backward plan: <= {total} launches per backward"]
                                              + lines))
 
@@ -768,8 +771,9 @@ class GradHook:
         if backend == "triton" and numel and runtime.tuning.cache_path().exists():  # a tuned BLOCK applies
             module = self.compiled(dtype, device, shape=shape).kernel
         block = runtime.launch_config(numel, device.type, module, device, dtype)[0] if numel else None
+        torch_ops = eager.compile_body(graph).shown if backend == "eager" and graph.writes else None
         return make_plan(graph, self.stat_names, self.input_stat_names, numel, backend,
-                         amp=self._amp, hist_range=self.hist_range, block=block)
+                         amp=self._amp, hist_range=self.hist_range, block=block, torch_ops=torch_ops)
 
     def source(self, dtype: torch.dtype = torch.float32, device_type: str = "cuda", shape: tuple | None = None
                ) -> str:

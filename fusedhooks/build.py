@@ -11,6 +11,7 @@ widest and narrowest global loads and stores in bits (128: vector accesses).
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -42,16 +43,24 @@ class KernelReport:
     scalar_element_accesses: int | None = None
     error: str | None = None
 
+    @staticmethod
+    def header() -> str:
+        """The column names over `line()`s, and what the columns hold."""
+        return (f"{'target':11} {'family':27} {'dtype':5} {'kernel':20} {'warps':>5} {'regs':>4} {'spills':>6} "
+                f"{'load-bits':>9} {'store-bits':>10} {'scalar-elt':>10}\n"
+                "# regs: registers (HIP: VGPRs); spills: bytes of spill stores (HIP: spilled VGPRs); load/store-bits: "
+                "narrowest..widest global access; scalar-elt: global accesses one element wide (CUDA); -: none")
+
     def line(self) -> str:
         if self.error:
             return f"{self.target:11} {self.family:27} {self.dtype:5} {self.kernel:20} FAILED: {self.error}"
 
-        def bits(b):
-            return "-" if b is None else f"{b[0]}..{b[1]}"
+        def shown(v):
+            return "-" if v is None else f"{v[0]}..{v[1]}" if isinstance(v, tuple) else str(v)
 
-        return (f"{self.target:11} {self.family:27} {self.dtype:5} {self.kernel:20} warps {self.num_warps} "
-                f"regs {self.registers!s:>4} spills {self.spills!s:>3} ld {bits(self.load_bits):>8} "
-                f"st {bits(self.store_bits):>8} scalar-element {self.scalar_element_accesses!s:>3}")
+        return (f"{self.target:11} {self.family:27} {self.dtype:5} {self.kernel:20} {self.num_warps:>5} "
+                f"{shown(self.registers):>4} {shown(self.spills):>6} {shown(self.load_bits):>9} "
+                f"{shown(self.store_bits):>10} {shown(self.scalar_element_accesses):>10}")
 
 
 #: The gradient shape of the families whose bodies reduce over dimensions (planned per shape).
@@ -123,18 +132,24 @@ def kernels(dtypes=("fp32", "bf16", "fp16", "fp64")):
         yield "global-clip-scale", dname, "scale_kernel", multi_tensor.scale_kernel, signature, constexprs
 
 
-def build(target: str, dtypes=("fp32", "bf16", "fp16", "fp64"), num_warps: int | None = None) -> list[KernelReport]:
-    """Compile every kernel for `target` (a TARGETS key) and report on each."""
+def build(target: str, dtypes=("fp32", "bf16", "fp16", "fp64"), num_warps: int | None = None,
+          bar: bool = True) -> list[KernelReport]:
+    """Compile every kernel for `target` (a TARGETS key) and report on each; progress on stderr (bar: see
+    progress.Progress)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from .progress import Progress
     from .runtime import default_num_warps
 
     backend, arch, warp = TARGETS[target]
     gpu = GPUTarget(backend, arch, warp)
     reports = []
-    for family, dname, name, fn, signature, constexprs in kernels(dtypes):
+    everything = list(kernels(dtypes))
+    progress = Progress(len(everything), f"fusedhooks build {target}", bar=bar)
+    for family, dname, name, fn, signature, constexprs in everything:
+        progress.step(f"{family} {dname} {name}")
         warps = num_warps or default_num_warps(constexprs["BLOCK"], DTYPES[dname])
         report = KernelReport(family, dname, name, target, warps)
         # pointers 16-byte aligned, as Triton specialises an aligned tensor at launch
@@ -151,6 +166,7 @@ def build(target: str, dtypes=("fp32", "bf16", "fp16", "fp64"), num_warps: int |
         else:
             _hip_report(report, compiled.asm["amdgcn"])
         reports.append(report)
+    progress.close()
     return reports
 
 
@@ -218,32 +234,36 @@ def _hip_report(report: KernelReport, asm: str) -> None:
 
 def main(args) -> int:
     """`python -m fusedhooks build`: print the report for each target (built in parallel processes, one per
-    target); --json writes the reports; exit 1 if any kernel failed to build."""
+    target); --json writes the reports; exit 1 if any kernel failed to build. A bad argument raises
+    argparse.ArgumentTypeError, which the command line reports as a usage error."""
     import concurrent.futures
     import dataclasses
     import json
     import multiprocessing
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise SystemExit("python -m fusedhooks build compiles for GPU targets: unset TRITON_INTERPRET (with it, "
-                         "triton.jit makes interpreter functions, which compile for no target)")
+        raise argparse.ArgumentTypeError("python -m fusedhooks build compiles for GPU targets: unset TRITON_INTERPRET "
+                                         "(with it, triton.jit makes interpreter functions, which compile for no "
+                                         "target)")
     targets = list(TARGETS) if args.target == "all" else args.target.split(",")
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
-        raise SystemExit(f"unknown target {unknown[0]!r}; known: {', '.join(TARGETS)}, all")
+        raise argparse.ArgumentTypeError(f"--target: unknown {unknown[0]!r}; known: {', '.join(TARGETS)}, all")
     dtypes = tuple(args.dtypes.split(","))
     bad = [d for d in dtypes if d not in DTYPES]
     if bad:
-        raise SystemExit(f"unknown dtype {bad[0]!r}; known: {', '.join(DTYPES)}")
+        raise argparse.ArgumentTypeError(f"--dtypes: unknown {bad[0]!r}; known: {', '.join(DTYPES)}")
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(targets), os.cpu_count() or 1),
                                                 mp_context=context) as pool:
-        results = list(pool.map(build, targets, [dtypes] * len(targets), [args.num_warps] * len(targets)))
+        results = list(pool.map(build, targets, [dtypes] * len(targets), [args.num_warps] * len(targets),
+                                [len(targets) == 1] * len(targets)))  # one bar, or lines from every process
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for reports in results for r in reports], f, indent=1)
     failed = 0
+    print(KernelReport.header())
     for target, reports in zip(targets, results):
         for r in reports:
             print(r.line())

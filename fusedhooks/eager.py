@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import torch
 
@@ -142,6 +143,9 @@ def compile_body(graph: Graph):
     exec(compile(source, f"<fusedhooks eager body {id(graph):x}>", "exec"), scope)
     body = scope["body"]
     body.source = source
+    shown = {i: _number(v) for i, v in enumerate(consts) if v is None or isinstance(v, (bool, int, float, str))}
+    #: the source with the numbers it reads written out (for plans)
+    body.shown = re.sub(r"\bc\[(\d+)\]", lambda m: shown.get(int(m.group(1)), m.group(0)), source)
     return body
 
 

@@ -356,7 +356,8 @@ class Graph:
     """A lowered hook body for one gradient dtype.
 
     nodes: every value, in program order; result: what is written into `.grad` (cast to `grad_dtype`);
-    scalar_dtypes: dtype of each closed-over tensor the kernel reads (index = `Node.value`).
+    scalar_dtypes: dtype of each closed-over tensor the kernel reads (index = `Node.value`); scalar_names: what the
+    hook function calls each (shown by str()).
     """
 
     grad_dtype: torch.dtype
@@ -364,6 +365,7 @@ class Graph:
     result: Node
     scalar_dtypes: tuple[torch.dtype, ...]
     uses_param: bool
+    scalar_names: tuple[str, ...] = ()
 
     @property
     def writes(self) -> bool:
@@ -406,7 +408,9 @@ class Graph:
         return [n for n in self.nodes if n.index in live]
 
     def __str__(self) -> str:
-        lines = [repr(n) for n in self.live_nodes() if n.kind != "const"]
+        lines = [repr(n) if n.kind != "scalar" or n.value >= len(self.scalar_names) else
+                 f"{n.name} = {self.scalar_names[n.value]} : {_dt(n.dtype)} (closed-over tensor {n.value}, read at "
+                 "each firing)" for n in self.live_nodes() if n.kind != "const"]
         lines.append(f"grad <- {self.result.name}")
         return "\n".join(lines)
 

@@ -17,6 +17,14 @@ _NEEDS = {
     "absmax": ("MINMAX", "COUNTS"), "nan": ("COUNTS",), "inf": ("COUNTS",), "zeros": ("COUNTS",), "hist": (),
 }
 PARTIAL_FLAGS = ("SUM", "M2", "SUMSQ", "MINMAX", "COUNTS")
+#: What the backends other than "triton" run (Plan.__str__).
+_RUNS_AS = {
+    "eager": "eager torch ops on the CPU tensor, the body in place on the gradient where torch's in-place op gives "
+             "the same values; statistics by torch reductions (sum, aminmax, count_nonzero) in the gradient's "
+             "precision (float32 for 16-bit gradients), read on the host at each firing",
+    "reference": "eager torch ops, out of place (autograd records them when .grad requires grad), the result copied "
+                 "into the gradient; statistics by torch reductions of a float64 copy",
+}
 #: Default histogram range: exponents floor(log2|g|) from -40 up to 8 (48 bins).
 DEFAULT_HIST_RANGE = (-40, 8)
 
@@ -48,6 +56,9 @@ class Plan:
     bytes_per_element: bytes moved per gradient element (gradient reads + writes + parameter reads).
     A plan is not changed after make_plan (slots, stat_sets and levels are cached: they are read at every firing).
     numel: the gradient's number of elements (None: any); block, grid: the launch, filled by the runtime.
+    The counts describe the Triton kernels of the plan, also for the eager and reference backends, which launch
+    none (their str() says what they run instead). torch_ops: the eager backend's body as the torch calls it runs
+    (eager.compile_body), shown by str().
     """
 
     graph: Graph
@@ -59,6 +70,7 @@ class Plan:
     grid: int | None = None
     amp: bool = False
     hist_range: tuple[int, int] | None = None
+    torch_ops: str | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,11 +143,35 @@ class Plan:
 
     def __str__(self) -> str:
         size = "any size" if self.numel is None else f"numel={self.numel:,}"
-        lines = [
-            f"fusedhooks plan: {size}, dtype={str(self.dtype).removeprefix('torch.')}, backend={self.backend}",
-            f"  passes={self.passes} (reads of the gradient)  writes={self.writes}  launches={self.launches}  "
-            f"bytes/element={self.bytes_per_element}",
-        ]
+        counts = (f"passes={self.passes} (reads of the gradient)  writes={self.writes}  launches={self.launches}  "
+                  f"bytes/element={self.bytes_per_element}")
+        lines = [f"fusedhooks plan: {size}, dtype={str(self.dtype).removeprefix('torch.')}, backend={self.backend}"]
+        if self.backend == "triton":
+            lines.append("  " + counts)
+            lines += self._kernel_lines()
+        else:
+            lines.append(f"  no Triton kernels: {_RUNS_AS[self.backend]}")
+            compiled = not self.graph.reduces_over_dims or self.units is not None
+            lines.append(f"  the Triton backend's kernels would make: {counts}" if compiled else
+                         "  the Triton backend does not compile this body")
+        if self.amp:
+            lines.append("  AMP: grad * (1 / scale) first; NaN/Inf of the scaled gradient sets found_inf")
+        lines.append(f"  stats (after the body): {', '.join(self.stats) or '-'}")
+        accumulated = "as accumulated, unscaled" if self.amp else "as accumulated"
+        lines.append(f"  input_stats ({accumulated}): {', '.join(self.input_stats) or '-'}")
+        if self.hist_range:
+            lines.append(f"  hist: {self.hist_bins} bins of floor(log2|g|) from {self.hist_range[0]} "
+                         f"to {self.hist_range[1]}")
+        lines.append("  body:")
+        lines.extend("    " + line for line in str(self.graph).splitlines())
+        if self.torch_ops:
+            lines.append("  as torch runs it (overwriting grad and intermediates no longer read):")
+            lines.extend("    " + line for line in self.torch_ops.splitlines())
+        return "\n".join(lines)
+
+    def _kernel_lines(self) -> list[str]:
+        """The reductions and launches of the Triton kernels."""
+        lines = []
         if self.units is not None:
             for r in self.units.reductions:
                 lines.append(f"  {r.node.name} = {r.node.op} over dims {list(r.reduced)}: {r.n_units:,} units of "
@@ -165,30 +201,21 @@ class Plan:
                 lines.append(f"  elementwise pass: grid={self.grid} programs x BLOCK={self.block}{merged}")
             else:
                 lines.append(f"  launch: grid={self.grid} programs x BLOCK={self.block}{merged}")
-        if self.amp:
-            lines.append("  AMP: grad * (1 / scale) first; NaN/Inf of the scaled gradient sets found_inf")
-        lines.append(f"  stats (after the body): {', '.join(self.stats) or '-'}")
-        accumulated = "as accumulated, unscaled" if self.amp else "as accumulated"
-        lines.append(f"  input_stats ({accumulated}): {', '.join(self.input_stats) or '-'}")
-        if self.hist_range:
-            lines.append(f"  hist: {self.hist_bins} bins of floor(log2|g|) from {self.hist_range[0]} "
-                         f"to {self.hist_range[1]}")
-        lines.append("  body:")
-        lines.extend("    " + line for line in str(self.graph).splitlines())
-        return "\n".join(lines)
+        return lines
 
 
 def make_plan(graph: Graph, stats: tuple[str, ...], input_stats: tuple[str, ...], numel: int | None = None,
               backend: str = "triton", *, amp: bool = False, hist_range: tuple[int, int] | None = None,
-              block: int | None = None) -> Plan:
+              block: int | None = None, torch_ops: str | None = None) -> Plan:
     """Schedule `graph`: the body, the input statistics and the output statistics share passes.
 
     stats / input_stats: names in STAT_NAMES order (the stats row layout), "hist" last.
     block: elements per program (from the runtime), which decides whether one program suffices.
+    torch_ops: see Plan.
     """
     wants_hist = "hist" in stats or "hist" in input_stats
     plan = Plan(graph, tuple(stats), tuple(input_stats), numel, backend, amp=amp,
-                hist_range=(hist_range or DEFAULT_HIST_RANGE) if wants_hist else None)
+                hist_range=(hist_range or DEFAULT_HIST_RANGE) if wants_hist else None, torch_ops=torch_ops)
     if numel and block:
         plan.block, plan.grid = block, -(-numel // block)
     return plan

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import inspect
 import numbers
@@ -155,6 +156,8 @@ class TracedBody:
     scalars: list[torch.Tensor]
     scalar_of: dict[str, int]       # get_attr target -> index into scalars
     uses_param: bool
+    #: what each closed-over tensor is called in the function's code (shown in plans)
+    scalar_names: tuple[str, ...] = ()
 
     def __post_init__(self):
         self._traced = [(t.dtype, t.shape, t.device) for t in self.scalars]  # what the plans were lowered for
@@ -227,7 +230,19 @@ def trace(fn) -> TracedBody:
             scalars.append(t)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     uses_param = arity == 2 and len(placeholders[1].users) > 0
-    return TracedBody(name, graph, scalars, scalar_of, uses_param)
+    return TracedBody(name, graph, scalars, scalar_of, uses_param, _names_in_code(fn, scalars))
+
+
+def _names_in_code(fn, tensors: list[torch.Tensor]) -> tuple[str, ...]:
+    """The name `fn` reads each of `tensors` by (a closure variable or a global), or "closed-over tensor <i>"."""
+    code = getattr(fn, "__code__", None)
+    named = []
+    if code is not None:
+        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            with contextlib.suppress(ValueError):  # an empty cell
+                named.append((name, cell.cell_contents))
+        named += [(n, fn.__globals__[n]) for n in code.co_names if n in fn.__globals__]
+    return tuple(next((n for n, v in named if v is t), f"closed-over tensor {i}") for i, t in enumerate(tensors))
 
 
 def _check_closed_tensor(name: str, t) -> None:
@@ -474,7 +489,7 @@ def lower(body: TracedBody, grad_dtype: torch.dtype, shape=(2,), dtype_known: bo
     result_meta = metas[result.index]
     result_shape = tuple(result_meta.shape) if isinstance(result_meta, torch.Tensor) else ()
     scalar_dtypes = tuple(t.dtype for t in body.scalars)
-    graph = Graph(grad_dtype, nodes, result, scalar_dtypes, body.uses_param)
+    graph = Graph(grad_dtype, nodes, result, scalar_dtypes, body.uses_param, body.scalar_names)
     return graph, result_shape
 
 

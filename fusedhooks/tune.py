@@ -10,8 +10,10 @@ On a GPU trials are timed with CUDA events; under the interpreter with a CPU tim
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
+import inspect
 import itertools
 import sys
 import time
@@ -20,6 +22,7 @@ import torch
 
 from . import runtime, tuning
 from .api import GradHook, grad_hook
+from .progress import Progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -66,24 +69,6 @@ def _timer(device: torch.device):
     return timed
 
 
-def _progress(total: int, label: str):
-    try:
-        from tqdm import tqdm  # optional
-
-        return tqdm(total=total, desc=label)
-    except ImportError:
-        class Text:
-            n = 0
-
-            def update(self, k=1):
-                self.n += k
-                print(f"\r{label}: {self.n}/{total}", end="", file=sys.stderr, flush=True)
-
-            def close(self):
-                print(file=sys.stderr)
-        return Text()
-
-
 def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: torch.device, quick: bool = False,
          reps: int = 3) -> dict:
     """Tune `hook`'s kernels on `device`; returns {digest: entry} and writes them to the tuning cache."""
@@ -93,7 +78,7 @@ def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: to
     timed = _timer(device)
     configs = candidates(device, quick)
     results = {}
-    bar = _progress(len(dtypes) * len(sizes) * len(configs), "fusedhooks tune")
+    progress = Progress(len(dtypes) * len(sizes) * len(configs), "fusedhooks tune")
     for dtype in dtypes:
         compiled = hook.compiled(dtype, device)
         if compiled.plan.backend != "triton":
@@ -115,7 +100,8 @@ def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: to
                     grad.copy_(saved)  # restore_value: every trial sees the same gradient
                     times.append(timed(trial))
                 tried.append({**config, "size": numel, "ms": sorted(times)[len(times) // 2]})
-                bar.update()
+                progress.step(f"{str(dtype).removeprefix('torch.')} size {numel:,} BLOCK={config['block']} "
+                              f"warps={config['num_warps']} stages={config['num_stages']}: {tried[-1]['ms']:.3f} ms")
         best_block = min({c["block"] for c in configs},
                          key=lambda b: sum(min(t["ms"] for t in tried if t["block"] == b and t["size"] == n)
                                            for n in sizes))
@@ -126,7 +112,7 @@ def tune(hook: GradHook, sizes: list[int], dtypes: list[torch.dtype], device: to
         entry = {"block": best_block, "sizes": per_size, "tried": tried, "dtype": str(dtype)}
         tuning.store(device, module.DIGEST, entry)
         results[module.DIGEST] = entry
-    bar.close()
+    progress.close()
     return results
 
 
@@ -148,41 +134,84 @@ def _amp_for_tuning(plan, device):
 
 
 def load_object(spec: str):
-    """`module:attr` -> the object (a GradHook, an nn.Module, or a callable returning one); SystemExit with a
-    message when it cannot be found."""
+    """`module:attr` -> the object; argparse.ArgumentTypeError with a message when it cannot be found."""
     module_name, _, attr = spec.partition(":")
     try:
         obj = importlib.import_module(module_name)
         for part in attr.split(".") if attr else ():
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
-        raise SystemExit(f"cannot load {spec!r} (module:attr): {e}") from None
+        raise argparse.ArgumentTypeError(f"cannot load {spec!r} (module:attr): {e}") from None
     return obj
 
 
+def load_model(spec: str) -> torch.nn.Module:
+    """`--model module:attr`: an nn.Module, or a function of no arguments returning one (called here)."""
+    obj = load_object(spec)
+    what = "--model takes an nn.Module or a function of no arguments returning one (its parameters give the sizes " \
+           "and dtypes to tune)"
+    hook = f"a fusedhooks GradHook: pass it with --hook; {what}"
+    if isinstance(obj, GradHook):
+        raise argparse.ArgumentTypeError(f"--model {spec} is {hook}")
+    if callable(obj) and not isinstance(obj, torch.nn.Module):
+        try:
+            inspect.signature(obj).bind()
+        except TypeError:
+            raise argparse.ArgumentTypeError(f"--model {spec} takes arguments: {what}") from None
+        except ValueError:  # no signature to check (a builtin): call it
+            pass
+        obj = obj()
+        if isinstance(obj, GradHook):
+            raise argparse.ArgumentTypeError(f"--model {spec} returns {hook}")
+    if not isinstance(obj, torch.nn.Module):
+        raise argparse.ArgumentTypeError(f"--model {spec} gives a {type(obj).__name__}: {what}")
+    return obj
+
+
+#: Said before tuning on CPU (--force): what the numbers are and where they go.
+INTERPRETER_LABEL = ("fusedhooks tune: tuning the Triton interpreter on CPU (--force), in quick mode: these timings "
+                     "are of the interpreter, not of any GPU; they are written under the key {key!r}, which only runs "
+                     "on CPU under TRITON_INTERPRET=1 read")
+
+
 def main(args) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """`python -m fusedhooks tune` with parsed `args` (args.device: "cpu" or a CUDA device, checked by the command
+    line). A bad argument raises argparse.ArgumentTypeError, which the command line reports as a usage error."""
+    device = torch.device(args.device)
     hook = load_object(args.hook) if args.hook else default_hook()
     if not isinstance(hook, GradHook):
-        raise SystemExit(f"--hook must name a fusedhooks GradHook, got {type(hook).__name__}")
+        raise argparse.ArgumentTypeError(f"--hook must name a fusedhooks GradHook, got {type(hook).__name__}")
     unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
     if unknown:
-        raise SystemExit(f"--dtypes: unknown {', '.join(unknown)} (known: {', '.join(DTYPES)})")
+        raise argparse.ArgumentTypeError(f"--dtypes: unknown {', '.join(unknown)} (known: {', '.join(DTYPES)})")
     dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
     if args.model:
-        model = load_object(args.model)
-        model = model() if callable(model) and not isinstance(model, torch.nn.Module) else model
+        model = load_model(args.model)
         numels = sorted({p.numel() for p in model.parameters() if p.requires_grad})
+        if not numels:
+            raise argparse.ArgumentTypeError(f"--model {args.model} has no parameters that require grad: nothing to "
+                                             "tune for")
         sizes = sorted({1 << max(n - 1, 1).bit_length() for n in numels})  # one per size bucket
         dtypes = sorted({p.dtype for p in model.parameters()}, key=str)
     elif args.sizes:
         try:
             sizes = [parse_size(s) for s in args.sizes.split(",")]
         except ValueError as e:
-            raise SystemExit(f"--sizes: {e}") from None
+            raise argparse.ArgumentTypeError(f"--sizes: {e}") from None
     else:
-        sizes = [5000, 20000] if args.quick else [1 << 12, 1 << 16, 1 << 20, 1 << 24]
-    results = tune(hook, sizes, dtypes, device, quick=args.quick)
+        sizes = None
+    interpreted = device.type != "cuda"
+    if interpreted and not args.force:
+        raise argparse.ArgumentTypeError(
+            "no GPU to tune for: on CPU the kernels run in the Triton interpreter, whose timings say nothing about a "
+            "GPU's best launch configuration (and a full run takes hours). Run it where torch sees a CUDA device, or "
+            "pass --force to tune the interpreter anyway (quick mode; its cache entries are read only on CPU)")
+    quick = args.quick or interpreted
+    if interpreted:
+        print(INTERPRETER_LABEL.format(key=tuning.device_key(device)), file=sys.stderr, flush=True)
+    if sizes is None:
+        sizes = [5000, 20000] if quick else [1 << 12, 1 << 16, 1 << 20, 1 << 24]
+    results = tune(hook, sizes, dtypes, device, quick=quick)
     print(f"tuned {len(results)} kernel(s) on {tuning.device_key(device)}; cache: {tuning.cache_path()}")
     for digest, entry in results.items():
         print(f"  {digest} ({entry['dtype']}): BLOCK={entry['block']}, {len(entry['tried'])} trials, "

@@ -518,6 +518,52 @@ def test_plan_clamp_scale_all_stats_is_one_pass(backend):
     assert "passes=1" in text and "bfloat16" in text and "clamp" in text
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_plan_of_the_eager_backend_describes_the_torch_ops_it_runs(dtype):
+    clip_and_scale = fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0) * 0.5, stats=("norm", "mean"), backend="eager")
+    plan = clip_and_scale.plan(numel=(1 << 20) + 3, dtype=dtype, device="cpu")
+    assert (plan.backend, plan.passes, plan.launches, plan.writes) == ("eager", 1, 1, 1)  # the kernels' counts
+    text = str(plan)
+    assert "no Triton kernels: eager torch ops" in text and "statistics by torch reductions" in text
+    assert "v0.clamp_(-1.0, 1.0)" in text and ".mul_(0.5)" in text  # in place, the bounds named by value
+    for kernel_words in ("BLOCK", "programs", "no host sync", "launch:"):
+        assert kernel_words not in text, text
+    normalised = fh.grad_hook(lambda grad: grad / grad.norm(), backend="eager").plan(numel=1 << 20, device="cpu")
+    text = str(normalised)
+    assert "reduction pass" not in text and "on the device" not in text and "torch.norm(v0" in text, text
+
+
+def test_plan_of_the_reference_backend_says_it_launches_no_kernel():
+    text = str(fh.grad_hook(lambda grad: grad * 2.0, stats=("norm",), backend="reference").plan(numel=4099))
+    assert "no Triton kernels: eager torch ops, out of place" in text and "float64 copy" in text
+    assert "BLOCK" not in text and "programs" not in text
+
+
+def test_plan_names_closed_over_tensors(backend):
+    def make_hook():
+        lo, hi = torch.tensor(-1.0), torch.tensor(1.0)
+        return fh.grad_hook(lambda grad: grad.clamp(lo, hi) * SCALE, backend=backend)
+
+    text = str(make_hook().plan(numel=1000, device="cpu"))
+    assert "scalar[" not in text, text
+    assert "v1 = lo : float32 (closed-over tensor 0" in text and "v2 = hi : float32 (closed-over tensor 1" in text
+    assert "clamp(input=grad, min=v1, max=v2)" in text and "= SCALE : float32 (closed-over tensor 2" in text
+
+
+SCALE = torch.tensor(0.5)  # a global a hook reads
+
+
+def test_explain_of_the_eager_backend_says_no_kernel_is_launched():
+    param = torch.nn.Parameter(torch.zeros(7))
+    hook = fh.grad_hook(lambda grad: grad * 2.0, backend="eager")
+    hook.register(param)
+    assert "tensors" in str(hook.explain()) and "backend eager: eager torch ops, no kernel is launched" in \
+        str(hook.explain())
+    triton = fh.grad_hook(lambda grad: grad * 2.0, backend="triton")
+    triton.register(param)
+    assert "tensors" in str(triton.explain()) and "no kernel" not in str(triton.explain())
+
+
 def test_plan_of_stats_only_hook_writes_nothing(backend):
     plan = fh.grad_hook(stats="all", backend=backend).plan(numel=4096)
     assert (plan.passes, plan.writes) == (1, 0)

@@ -87,7 +87,7 @@ def test_cuda90_gradient_accesses_are_128_bit_vectors(reports):
 def test_build_refuses_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     args = argparse.Namespace(target="cuda:90", dtypes="fp32", num_warps=None, json=None)
-    with pytest.raises(SystemExit, match="unset TRITON_INTERPRET"):
+    with pytest.raises(argparse.ArgumentTypeError, match="unset TRITON_INTERPRET"):
         build.main(args)
 
 

@@ -41,7 +41,7 @@ def test_tune_writes_the_cache_and_a_later_process_uses_it(tmp_path):
     cache = tmp_path / "tuning.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "FUSEDHOOKS_CACHE_DIR": str(tmp_path / "kernels")}
     env.pop("FUSEDHOOKS_BLOCK", None)
-    run(["tune", "--quick", "--dtypes", "fp32", "--out", str(cache)], env)
+    run(["tune", "--device", "cpu", "--force", "--quick", "--dtypes", "fp32", "--out", str(cache)], env)
     data = json.loads(cache.read_text())
     (device_key, kernels), = data.items()
     assert device_key.startswith("cpu (triton interpreter) | triton ")
