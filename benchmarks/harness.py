@@ -332,8 +332,9 @@ class Report:
     # --- plots
 
     def plot(self, out: Path) -> list[str]:
-        """One PNG per workload, a panel per dtype: GB/s against size per provider with the copy line (log-log), or
-        for the model the added % of step time per provider. Nothing without matplotlib."""
+        """One PNG per workload, a column per dtype: for the sweeps, the median time against size per provider
+        (log-log) above the speedup over the eager hook (eager time ÷ the provider's, the eager hook at 1); for
+        the model, the added % of step time per provider. Nothing without matplotlib."""
         try:
             import matplotlib
             matplotlib.use("Agg")
@@ -347,11 +348,15 @@ class Report:
             dtypes = sorted({r["dtype"] for r in rows})
             if not dtypes:
                 continue
-            fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
-            for ax, dtype in zip(axes[0], dtypes):
+            panels = 1 if workload == "model" else 2
+            fig, axes = plt.subplots(panels, len(dtypes), figsize=(6 * len(dtypes), 4 * panels), squeeze=False)
+            for column, dtype in enumerate(dtypes):
                 same = [r for r in rows if r["dtype"] == dtype]
-                (self._plot_model if workload == "model" else self._plot_sweep)(ax, same, dtype)
-                ax.set_title(f"{workload}, {dtype}", fontsize=10)
+                if workload == "model":
+                    self._plot_model(axes[0][column], same)
+                else:
+                    self._plot_sweep(axes[0][column], axes[1][column], same)
+                axes[0][column].set_title(f"{workload}, {dtype}", fontsize=10)
             fig.suptitle(f"fusedhooks benchmarks, {self.info['device']['name']}", fontsize=10)
             fig.tight_layout()
             path = out / f"{workload}.png"
@@ -360,23 +365,37 @@ class Report:
             paths.append(str(path))
         return paths
 
-    def _plot_sweep(self, ax, rows: list[dict], dtype: str) -> None:
+    @staticmethod
+    def _plot_sweep(time_ax, speedup_ax, rows: list[dict]) -> None:
+        """Median µs per provider against size, and `speedup_over_eager` (the speedup panel empty without the
+        eager provider)."""
+        speedups = speedup_over_eager(rows)
         for provider in dict.fromkeys(r["provider"] for r in rows):
             points = [r for r in rows if r["provider"] == provider]
-            ax.plot([r["numel"] for r in points], [r["gbps"] for r in points], marker="o", label=provider)
-        copy = [c for c in self.copy if c["dtype"] == dtype]
-        ax.plot([c["numel"] for c in copy], [c["gbps"] for c in copy], "k--", label="copy")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("gradient elements")
-        ax.set_ylabel("GB/s (bytes the provider moves)")
-        ax.legend(fontsize=8)
+            time_ax.plot([r["numel"] for r in points], [r["median_us"] for r in points], marker="o", label=provider)
+            faster = [(numel, x) for (name, numel), x in speedups.items() if name == provider]
+            if faster:
+                speedup_ax.plot(*zip(*faster), marker="o", label=provider)
+        for ax, label in ((time_ax, "median µs per call (lower is faster)"),
+                          (speedup_ax, "speedup over the eager hook (×, higher is faster)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("gradient elements")
+            ax.set_ylabel(label)
+            ax.legend(fontsize=8)
 
     @staticmethod
-    def _plot_model(ax, rows: list[dict], dtype: str) -> None:
+    def _plot_model(ax, rows: list[dict]) -> None:
         ax.bar([r["provider"] for r in rows], [r["added_pct"] or 0.0 for r in rows])
         ax.set_ylabel("added % of step time")
         ax.tick_params(axis="x", labelrotation=30)
+
+
+def speedup_over_eager(rows: list[dict]) -> dict[tuple[str, int], float]:
+    """{(provider, numel): the eager hook's median ÷ the provider's} for the sizes where both were measured
+    (`rows`: the ok results of one workload and dtype)."""
+    eager = {r["numel"]: r["median_us"] for r in rows if r["provider"] == "eager"}
+    return {(r["provider"], r["numel"]): eager[r["numel"]] / r["median_us"] for r in rows if r["numel"] in eager}
 
 
 def fmt(value, spec: str) -> str:

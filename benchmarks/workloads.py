@@ -439,9 +439,9 @@ class AmpClip(Workload):
         return Impl(after=after, bytes_per_element=_bytes(self.builtin_traffic, env.dtype))
 
 
-#: In run order, the DESIGN's headline first (so that a run cut short by a time budget has it).
+#: In run order, the headline figure first (so that a run cut short by a time budget has it).
 WORKLOADS = {w.name: w for w in (ClipStats(), ClipScale(), Normalize(), AmpClip(), Agc(), CenterColumns())}
-#: The per-parameter work of the model workload: the DESIGN target (clip + all statistics on every parameter).
+#: The per-parameter work of the model workload: the target's (clip + all statistics on every parameter).
 MODEL_WORK = WORKLOADS["clip_stats"]
 
 

@@ -10,6 +10,7 @@ import torch
 
 from . import gates, runtime
 from .api import GradHook, RegistrationHandle, _check_param, named_tensors
+from .stats import ParamStats, ScalarSelection, StatsReading
 
 
 def _adagc_body(state: torch.Tensor, ratio: float, max_norm: float, warmup_steps: int):
@@ -41,7 +42,8 @@ class AdaptiveClip:
     tensor here. That is what makes it usable where global clipping is not: optimizer-in-backward,
     FSDP2 shards. The state lives on the device (`state(name)` -> tensor [gamma, step]); nothing syncs.
     Each firing is one fused clip kernel (two passes for gradients larger than one block) plus a few
-    0-dim tensor ops that update the state. Statistics: "norm" (clipped) and "input.norm" per parameter.
+    0-dim tensor ops that update the state. Statistics (`stats`, read as a GradHook's): "norm" (clipped),
+    "input.norm", "norm_ema" (gamma) and "step" per parameter.
     """
 
     def __init__(self, beta: float = 0.98, ratio: float = 1.05, warmup_steps: int = 100, max_norm: float = 1.0,
@@ -59,6 +61,9 @@ class AdaptiveClip:
         self.backend = backend
         self._hooks: dict[str, GradHook] = {}
         self._states: dict[str, torch.Tensor] = {}
+        self._backwards = gates.Backwards()  # numbers the backwards in which any parameter is processed
+        self._written: dict[str, int] = {}  # per parameter: the number of the backward that last processed it
+        self.stats = AdaptiveClipStats(self)
 
     def register(self, target, name: str | None = None, accumulation_steps: int | None = None,
                  when=None) -> RegistrationHandle:
@@ -83,7 +88,7 @@ class AdaptiveClip:
                 handle._extend(hook.register(t, name=pname, when=gate))
                 self._hooks[pname], self._states[pname] = hook, state
                 handle._on_remove.append(functools.partial(self._forget, pname, hook))
-                update = self._update(hook, state)
+                update = self._update(pname, hook, state)
                 if gate is not None:  # the registration's gate: the same decision as the hook's in each backward
                     update = gates.gated(update, gate, lambda hook=hook: hook._paused)
                 handle._add(t, t.register_post_accumulate_grad_hook(update))
@@ -95,9 +100,11 @@ class AdaptiveClip:
     def _forget(self, pname: str, hook: GradHook) -> None:
         if self._hooks.get(pname) is hook:
             del self._hooks[pname], self._states[pname]
+            self._written.pop(pname, None)
 
-    def _update(self, hook: GradHook, state: torch.Tensor):
-        """The state update, a torch hook registered right after `hook` (so it runs after its kernel)."""
+    def _update(self, pname: str, hook: GradHook, state: torch.Tensor):
+        """The state update, a torch hook registered right after `hook` (so it runs after its kernel); it also
+        marks parameter `pname`'s statistics as written by the current backward."""
         beta = self.beta
         warmup = self.warmup_steps
         slot = hook.stats.slot_names.index("norm")
@@ -111,6 +118,8 @@ class AdaptiveClip:
             updated = torch.where(step < warmup, torch.minimum(gamma, clipped), beta * gamma + (1 - beta) * clipped)
             gamma.copy_(torch.where(clipped.isfinite(), updated, gamma))
             step.add_(1)
+            self._backwards.enter(torch._C._current_graph_task_id())
+            self._written[pname] = self._backwards.number
 
         return update
 
@@ -127,15 +136,60 @@ class AdaptiveClip:
         """The device tensor [gamma, step] of parameter `name` (float32)."""
         return self._states[name]
 
-    def read(self) -> dict[str, dict[str, float]]:
-        """{name: {"norm", "input.norm", "gamma", "step"}}; one sync per parameter."""
-        out = {}
-        for name, hook in self._hooks.items():
-            stats = hook.stats.read().get(name)
-            if stats is not None:
-                gamma, step = self._states[name].tolist()
-                out[name] = {**stats, "gamma": gamma, "step": int(step)}
+    def read(self) -> StatsReading:
+        """`stats.read()`, with each row's "norm_ema" also under its former name "gamma"."""
+        reading = self.stats.read()
+        for row in reading.values():
+            row["gamma"] = row["norm_ema"]
+        return reading
+
+
+class AdaptiveClipStats:
+    """The statistics of an AdaptiveClip, read as a GradHook's `stats`: per parameter "norm" (the clipped
+    gradient's), "input.norm" (as accumulated), "norm_ema" (gamma of AdaptiveClip's equations, after the update)
+    and "step" (the firings that processed it). Rows appear once a parameter is processed; a row is stale when the
+    most recent backward that processed any of the clip's parameters did not process it."""
+
+    slot_names = ("norm", "input.norm", "norm_ema", "step")
+
+    def __init__(self, clip: AdaptiveClip):
+        self._clip = clip
+
+    @property
+    def names(self) -> list[str]:
+        """The registered parameters' names, in registration order."""
+        return list(self._clip._hooks)
+
+    def read(self) -> StatsReading:
+        """{parameter name: ParamStats {"norm", "input.norm", "norm_ema", "step"}} of every parameter processed
+        since registration or reset(); `fresh` / `stale` as HookStats.read()'s. One sync per parameter."""
+        clip = self._clip
+        out = StatsReading()
+        for name, hook in clip._hooks.items():
+            recorded = hook.stats.read().get(name)
+            if recorded is None:
+                continue
+            norm_ema, step = clip._states[name].tolist()
+            row = out[name] = ParamStats(norm=recorded["norm"], **{"input.norm": recorded["input.norm"]},
+                                         norm_ema=norm_ema, step=int(step))
+            row.fresh = clip._written.get(name) == clip._backwards.number
         return out
+
+    def to_scalars(self, prefix: str = "grad/", stats=None, params=None,
+                   top_k: int | None = None) -> dict[str, float | int]:
+        """The statistics as one flat dict of numbers (`f"{prefix}{parameter}/{statistic}"`), fresh rows only,
+        selected as by `HookStats.to_scalars` (stats=, params=, top_k=)."""
+        selection = ScalarSelection(stats, params, top_k)
+        selection.check(self.slot_names, self.names)
+        return selection.scalars(self.read(), prefix)
+
+    def reset(self) -> None:
+        """Forget the recorded norms (no sync); the clipping state (norm_ema, step: `state(name)`) is kept."""
+        for hook in self._clip._hooks.values():
+            hook.stats.reset()
+
+    def __repr__(self) -> str:
+        return f"AdaptiveClipStats({len(self._clip._hooks)} parameters x {list(self.slot_names)})"
 
 
 def adaptive_clip(beta: float = 0.98, ratio: float = 1.05, warmup_steps: int = 100, max_norm: float = 1.0,

@@ -38,6 +38,12 @@ def _dist():
     return torch.distributed if torch.distributed.is_available() else None
 
 
+def _all_gather_single(dist):
+    """torch.distributed's all-gather into one tensor: `all_gather_single` (torch >= 2.13, which deprecates
+    `all_gather_into_tensor` with a FutureWarning on every call), else `all_gather_into_tensor`."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def world_size() -> int | None:
     """The default process group's size, or None when there is none (yet)."""
     dist = _dist()
@@ -412,7 +418,7 @@ class ShardStats:
                 dist = _dist()
                 ranks = dist.get_world_size(group)
                 gathered = torch.empty((ranks * len(rows), part.shape[1]), dtype=part.dtype, device=device)
-                dist.all_gather_into_tensor(gathered, part, group=group)
+                _all_gather_single(dist)(gathered, part, group=group)
             merged = merge_partials(gathered.view(ranks, len(rows), -1), self.partials.slot_names,
                                     stats.slot_names)
             stats.tensor.index_copy_(0, index, merged)

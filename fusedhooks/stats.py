@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import threading
 
 import torch
 
 from .gates import Backwards
-from .ir import COUNT_STATS
+from .ir import COUNT_STATS, STAT_NAMES
 from .plan import slot_names
 
 
@@ -28,11 +29,84 @@ class StatsReading(dict):
         return [name for name, row in self.items() if not row.fresh]
 
 
-def scalars_of(reading: StatsReading, prefix: str) -> dict[str, float | int]:
-    """`HookStats.to_scalars` of a `read()` already made: its fresh rows, flat, histograms left out."""
-    return {f"{prefix}{name}/{stat}": value
-            for name, row in reading.items() if row.fresh
-            for stat, value in row.items() if not stat.endswith("hist")}
+class ScalarSelection:
+    """Which statistics `HookStats.to_scalars` gives (the one selection of `to_scalars` and the training callbacks).
+
+    stats: statistic names, as `read()` keys them ("norm", "input.max"; a str: one); None: all the hook records.
+    params: fnmatch patterns (case-sensitive) over parameter names ("transformer.h.0.*"; a str: one); None: all.
+    top_k: None: every selected parameter; k >= 0: a summary, `total_norm` (the L2 norm of the selected gradients,
+    from their recorded norms) and the statistics of the k selected parameters with the largest norms (a NaN norm
+    counts as the largest), largest first.
+    """
+
+    def __init__(self, stats=None, params=None, top_k: int | None = None):
+        self.stats = _names(stats, "stats")
+        self.params = _names(params, "params")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+            raise ValueError(f"top_k= takes a number of parameters >= 0 (None: every parameter), not {top_k!r}")
+        self.top_k = top_k
+
+    def check_stats(self, slot_names: tuple[str, ...]) -> None:
+        """Refuse statistics the hook (whose row layout is `slot_names`) does not record, and a summary without
+        "norm"."""
+        recorded = [name for name in dict.fromkeys(slot_names) if not name.endswith("hist")]
+        for name in self.stats or ():
+            if name.endswith("hist"):
+                raise ValueError(f"stats= selects scalars; {name!r} is a histogram: read it with "
+                                 "hook.stats.histogram(name) (or log_to_tensorboard)")
+            if name not in recorded and name.removeprefix("input.") not in STAT_NAMES:
+                raise ValueError(f"stats= names {name!r}, which is no statistic: this hook records {recorded} "
+                                 f"(every statistic: {list(STAT_NAMES)}, 'input.<name>' for input_stats=)")
+            if name not in recorded:
+                option = "input_stats" if name.startswith("input.") else "stats"
+                raise ValueError(f"stats= names {name!r}, which this hook does not record: choose among "
+                                 f"{recorded}, or add {name.removeprefix('input.')!r} to the hook's {option}=")
+        if self.top_k is not None and "norm" not in recorded:
+            raise ValueError("top_k= ranks the parameters by their gradient's norm: create the hook with \"norm\" "
+                             "among its stats (fh.grad_hook(..., stats=(\"norm\", ...)))")
+
+    def check(self, slot_names: tuple[str, ...], names: list[str]) -> None:
+        """`check_stats`, and refuse a params= pattern that matches none of the registered parameters `names`."""
+        self.check_stats(slot_names)
+        for pattern in self.params or ():
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+                raise ValueError(f"params= pattern {pattern!r} matches none of the hook's parameters "
+                                 f"({listed or 'none registered'}); patterns are fnmatch-style over these names, "
+                                 "e.g. 'layer.0.*' or '*.bias'")
+
+    def scalars(self, reading: StatsReading, prefix: str) -> dict[str, float | int]:
+        """The selected scalars of `reading`'s fresh rows, histograms left out."""
+        rows = [(name, row) for name, row in reading.items() if row.fresh and
+                (self.params is None or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.params))]
+        out = {}
+        if self.top_k is not None and rows:
+            out[f"{prefix}total_norm"] = math.sqrt(math.fsum(row["norm"] ** 2 for _, row in rows))
+            rows = sorted(rows, key=lambda item: -math.inf if math.isnan(item[1]["norm"]) else -item[1]["norm"])
+            rows = rows[:self.top_k]
+        out.update((f"{prefix}{name}/{stat}", value) for name, row in rows for stat, value in row.items()
+                   if not stat.endswith("hist") and (self.stats is None or stat in self.stats))
+        return out
+
+
+def _names(value, option: str) -> tuple[str, ...] | None:
+    """A str or an iterable of str as a tuple; None stays None."""
+    if value is None:
+        return None
+    names = (value,) if isinstance(value, str) else value
+    try:
+        names = tuple(names)
+    except TypeError:
+        names = None
+    if names is None or not names or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"{option}= takes a name or a non-empty sequence of names (None: all), not {value!r}")
+    return names
+
+
+def scalars_of(reading: StatsReading, prefix: str, selection: ScalarSelection | None = None) -> dict[str, float | int]:
+    """`HookStats.to_scalars` of a `read()` already made: its fresh rows, flat, histograms left out; only the
+    statistics `selection` selects (None: all)."""
+    return (selection or ScalarSelection()).scalars(reading, prefix)
 
 
 class HookStats:
@@ -156,14 +230,23 @@ class HookStats:
                 out[name] = entry
         return out
 
-    def to_scalars(self, prefix: str = "grad/") -> dict[str, float | int]:
+    def to_scalars(self, prefix: str = "grad/", stats=None, params=None,
+                   top_k: int | None = None) -> dict[str, float | int]:
         """The statistics as one flat dict of numbers, for loggers (TensorBoard, W&B, Trainer's logs); one sync.
 
         Keys `f"{prefix}{parameter}/{statistic}"` (`"grad/fc.weight/norm"`, `"grad/fc.weight/input.norm"`), in
         read()'s order; counts are ints, the rest floats. Only rows written by the most recent backward in which
         the hook fired (`read().stale` are left out, so that a frozen parameter's old values are not logged
-        again as new); histograms are left out (`histogram()` gives them)."""
-        return scalars_of(self.read(), prefix)
+        again as new); histograms are left out (`histogram()` gives them).
+
+        Selection (`ScalarSelection`): `stats=` only these statistics ("norm", "input.max"), `params=` only the
+        parameters whose names match these fnmatch patterns ("encoder.*"), `top_k=k` a summary: `f"{prefix}total_norm"`
+        (L2, over the selected parameters) first, then the statistics of the k selected parameters with the largest
+        norms, largest first. A statistic the hook does not record, or a pattern that matches no registered
+        parameter, is refused (ValueError)."""
+        selection = ScalarSelection(stats, params, top_k)
+        selection.check(self.slot_names, self.names)
+        return selection.scalars(self.read(), prefix)
 
     def histogram(self, name: str, input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(counts, edges) of parameter `name`'s "hist" (of the input gradient if `input`); one sync.

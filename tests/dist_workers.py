@@ -322,9 +322,13 @@ def fsdp_dims(rank: int, world: int, device) -> None:
 
 
 def fsdp(rank: int, world: int, device) -> None:
-    fsdp_dims(rank, world, device)
-    fsdp_elementwise(rank, world, device)
-    fsdp_registration_windows(rank, world, device)
+    with warnings.catch_warnings():
+        # a deprecated torch.distributed call (all_gather_into_tensor in torch 2.13) warns on every rank
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        fsdp_dims(rank, world, device)
+        fsdp_elementwise(rank, world, device)
+        fsdp_registration_windows(rank, world, device)
 
 
 def fsdp_elementwise(rank: int, world: int, device) -> None:

@@ -46,11 +46,12 @@ def test_adaptive_clip_matches_torch_over_many_steps(dtype, backend, monkeypatch
             for hook in p._post_accumulate_grad_hooks.values():
                 hook(p)
             torch.testing.assert_close(p.grad, e, rtol=1e-5 if dtype == torch.float32 else 1.6e-2, atol=1e-6)
-    state = clip.read()
+    state = clip.stats.read()
     for i, g in enumerate(gammas):
         if shapes[i] != (0,):
-            assert state[f"p{i}"]["gamma"] == pytest.approx(g, rel=1e-5 if dtype == torch.float32 else 2e-2)
+            assert state[f"p{i}"]["norm_ema"] == pytest.approx(g, rel=1e-5 if dtype == torch.float32 else 2e-2)
             assert state[f"p{i}"]["step"] == 30
+            assert state[f"p{i}"]["norm"] == pytest.approx(expected[-1][i].double().norm().item(), rel=1e-5)
 
 
 def test_adaptive_clip_in_a_training_loop_clips_spikes():
@@ -63,9 +64,9 @@ def test_adaptive_clip_in_a_training_loop_clips_spikes():
         model.zero_grad()
         scale = 1000.0 if step == 7 else 1.0
         (model(x).pow(2).sum() * scale).backward()
-    stats = clip.read()["weight"]
+    stats = clip.stats.read()["weight"]
     assert stats["input.norm"] > 100 * stats["norm"]                      # the spike was clipped...
-    assert stats["norm"] == pytest.approx(1.05 * stats["gamma"] / (0.98 + 0.02 * 1.05), rel=1e-4)  # ...to ratio*gamma
+    assert stats["norm"] == pytest.approx(1.05 * stats["norm_ema"] / (0.98 + 0.02 * 1.05), rel=1e-4)  # ...to ratio*EMA
 
 
 def test_adaptive_clip_refuses_bad_options():
@@ -113,7 +114,7 @@ def test_gradient_accumulation_clips_and_steps_once_per_accumulated_gradient(how
                     (p * g).sum().backward()
             yield p.grad.clone()
             p.grad = None
-        yield clip.read()["p"]["step"]
+        yield clip.stats.read()["p"]["step"]
 
     expected = adagc_reference([[torch.tensor([1.0, 2.0, 2.0]) * (s + 1) * 3] for s in range(3)], beta=0.98,
                                ratio=1.05, warmup_steps=1, max_norm=1.0)[0]
@@ -138,4 +139,36 @@ def test_accumulation_steps_count_micro_batches_once_for_every_tensor(backend):
             y = b(y)
         y.pow(2).sum().mul(100).backward()
     assert b.weight.grad.norm().item() <= 1e-3 * (1 + 1e-5)  # clipped at micro-batch 4, the end of its window
-    assert clip.read()["b.weight"]["step"] == clip.read()["a.weight"]["step"] == 2  # micro-batches 2 and 4
+    assert clip.stats.read()["b.weight"]["step"] == clip.stats.read()["a.weight"]["step"] == 2  # micro-batches 2, 4
+
+
+def test_stats_read_like_a_grad_hooks(backend):
+    """clip.stats: read() rows with fresh/stale, to_scalars with its selection, reset(); the EMA is "norm_ema"
+    (read() keeps its former name "gamma" too)."""
+    a, b = torch.zeros(5, requires_grad=True), torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
+    clip = fh.adaptive_clip(warmup_steps=1, max_norm=1.0, backend=backend)
+    clip.register([("enc.a", a), ("dec.b", b)])
+    assert clip.stats.names == ["enc.a", "dec.b"] and clip.stats.read() == {} and clip.stats.to_scalars() == {}
+    ga, gb = torch.tensor([3.0, 4.0, 0.0, 0.0, 0.0]), torch.tensor([0.5, 0.0, 0.0])
+    ((a * ga).sum() + (b * gb).sum().float()).backward()  # warm-up: a clipped to norm 1, b (norm 0.5) as it is
+    reading = clip.stats.read()
+    assert reading.stale == [] and reading["enc.a"]["step"] == 1
+    assert reading["enc.a"]["input.norm"] == pytest.approx(5.0, rel=1e-6)
+    assert reading["enc.a"]["norm"] == pytest.approx(1.0, rel=1e-6) == reading["enc.a"]["norm_ema"]
+    assert reading["dec.b"]["norm"] == reading["dec.b"]["norm_ema"] == 0.5
+    assert clip.read()["enc.a"]["gamma"] == reading["enc.a"]["norm_ema"]
+    a.grad = None
+    (a * ga).sum().backward()  # b gets no gradient: its row is stale, left out of to_scalars
+    reading = clip.stats.read()
+    assert reading.stale == ["dec.b"] and reading["dec.b"]["step"] == 1 and reading["enc.a"]["step"] == 2
+    assert clip.stats.to_scalars(stats=("norm", "step")) == {"grad/enc.a/norm": reading["enc.a"]["norm"],
+                                                             "grad/enc.a/step": 2}
+    assert clip.stats.to_scalars(params="dec.*") == {}
+    assert list(clip.stats.to_scalars(top_k=0, prefix="")) == ["total_norm"]
+    with pytest.raises(ValueError, match="'gamma', which is no statistic: this hook records \\['norm', "
+                                         "'input.norm', 'norm_ema', 'step'\\]"):
+        clip.stats.to_scalars(stats="gamma")
+    with pytest.raises(ValueError, match="params= pattern 'encoder.\\*' matches none"):
+        clip.stats.to_scalars(params="encoder.*")
+    clip.stats.reset()
+    assert clip.stats.read() == {} and clip.state("enc.a")[1].item() == 2  # the clipping state is kept

@@ -157,3 +157,48 @@ def test_torch_compile_provider(tmp_path):
                         "--dtype", "fp32", "--sizes", "1K,64K")
     compiled = [r for r in data["results"] if r["provider"] == "torch.compile"]
     assert len(compiled) == 3 and all(r["status"] == "ok" for r in compiled), compiled
+
+
+class _Recorder:
+    """A stand-in for matplotlib's figures and axes: records every call as (name, args, kwargs)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+
+def test_sweep_plots_time_and_speedup_over_the_eager_hook(tmp_path, monkeypatch):
+    """The plots draw time and speedup over the eager hook, not each provider's own bytes per second (where the
+    provider that moves the fewest bytes, fusedhooks, drew the lowest line however fast it was)."""
+    import types
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from harness import Report
+
+    grid = [[_Recorder(), _Recorder()], [_Recorder(), _Recorder()]]
+    pyplot = types.SimpleNamespace(subplots=lambda rows, cols, **kw: (_Recorder(), [row[:cols] for row in grid[:rows]]),
+                                   close=lambda fig: None)
+    matplotlib = types.ModuleType("matplotlib")
+    matplotlib.use, matplotlib.pyplot = lambda backend: None, pyplot
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    report = Report({"device": {"name": "test"}}, {})
+    report.titles = {"clip_stats": "clip + stats"}
+    medians = {"fusedhooks": (10.0, 50.0), "eager": (40.0, 230.0), "torch.compile": (20.0, 60.0)}
+    for provider, times in medians.items():
+        for numel, median in zip((1024, 65536), times):
+            report.results.append({"workload": "clip_stats", "provider": provider, "dtype": "fp32", "numel": numel,
+                                   "status": "ok", "median_us": median, "gbps": 1.0, "added_pct": None})
+    assert report.plot(tmp_path) == [str(tmp_path / "clip_stats.png")]
+    time_ax, speedup_ax = grid[0][0], grid[1][0]
+
+    def lines(ax):
+        return {kw["label"]: (list(args[0]), list(args[1])) for name, args, kw in ax.calls if name == "plot"}
+
+    assert lines(time_ax) == {p: ([1024, 65536], list(t)) for p, t in medians.items()}
+    assert lines(speedup_ax) == {"fusedhooks": ([1024, 65536], [4.0, 4.6]), "eager": ([1024, 65536], [1.0, 1.0]),
+                                 "torch.compile": ([1024, 65536], [2.0, 230.0 / 60.0])}
+    labels = [args[0] for ax in (time_ax, speedup_ax) for name, args, _ in ax.calls if name == "set_ylabel"]
+    assert labels == ["median µs per call (lower is faster)", "speedup over the eager hook (×, higher is faster)"]

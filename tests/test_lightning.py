@@ -1,6 +1,8 @@
 """fusedhooks.integrations.lightning.FusedHooksCallback inside a real Lightning Trainer (CPU): the same losses and
 parameters as Lightning's own gradient_clip_val, statistics in the logged metrics, one firing per optimizer step."""
 
+import math
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -149,6 +151,25 @@ def test_statistics_reach_the_logger_on_their_steps(tmp_path, log_every, expecte
     assert set(rows[0]) >= {f"grad/{n}/norm" for n, _ in module.named_parameters()}
 
 
+def test_logged_statistics_are_selected(tmp_path):
+    """params=/stats= log only those keys, top_k= the total norm and the k largest per-parameter norms (what
+    hook.stats.to_scalars gives); a pattern matching no parameter is refused at fit()'s start, unregistered."""
+    hook = fh.grad_hook(stats=("norm", "absmax"))
+    callback = FusedHooksCallback(hook, stats="norm", params="*.bias", top_k=1, log_every=1)
+    trainer, module = _fit(tmp_path, [callback], batches=1)  # one step: callback_metrics hold its values only
+    biases = {n: g.double().norm().item() for n, g in module.grads_at_step[0].items() if n.endswith(".bias")}
+    largest = max(biases, key=biases.get)
+    assert set(trainer.callback_metrics) == {"grad/total_norm", f"grad/{largest}/norm"}
+    assert trainer.callback_metrics[f"grad/{largest}/norm"].item() == pytest.approx(biases[largest], rel=1e-5)
+    expected = math.sqrt(sum(value ** 2 for value in biases.values()))
+    assert trainer.callback_metrics["grad/total_norm"].item() == pytest.approx(expected, rel=1e-5)
+    unmatched = FusedHooksCallback(fh.grad_hook(stats=("norm",)), params="encoder.*")
+    with pytest.raises(ValueError, match="params= pattern 'encoder.\\*' matches none of the hook's parameters "
+                                         "\\(net.0.weight, net.0.bias, net.2.weight, net.2.bias\\)"):
+        _fit(tmp_path, [unmatched])
+    assert unmatched._handle is None and len(unmatched.hook.registry) == 0
+
+
 class AccumulatingStrategy(pl.strategies.SingleDeviceStrategy):
     """Stands for DeepSpeed: a strategy that accumulates gradients itself."""
 
@@ -213,6 +234,8 @@ def test_refusals(tmp_path):
         FusedHooksCallback(fh.grad_hook(stats=("norm",)), log_every=-1)
     with pytest.raises(TypeError, match="fusedhooks hook"):
         FusedHooksCallback(None)
+    with pytest.raises(ValueError, match="'nrom', which is no statistic"):
+        FusedHooksCallback(fh.grad_hook(stats=("norm",)), stats="nrom")
     with pytest.raises(ValueError, match="leave gradient_clip_val unset"):
         _fit(tmp_path, [FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)], gradient_clip_val=1.0)
     scaler = pl.plugins.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))

@@ -160,7 +160,7 @@ def _check_lightning(ns, out):
 
 
 def _check_agc_adagc(ns, out):
-    assert ns["agc"].stats.read()["weight"]["norm"] > 0 and ns["adagc"].read()["weight"]
+    assert ns["agc"].stats.read()["weight"]["norm"] > 0 and ns["adagc"].stats.read()["weight"]["norm_ema"] > 0
 
 
 def _check_whole_tensor_plan(ns, out):

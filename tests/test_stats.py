@@ -169,3 +169,92 @@ def test_absmax_of_zeros_is_positive_zero_like_torch(zeros, dtype, backend):
     fire(hook, grad)
     got = hook.stats.read()["param0"]["absmax"]
     assert got == expected and math.copysign(1.0, got) == math.copysign(1.0, expected), (got, expected)
+
+
+# --- to_scalars' selection: stats=, params=, top_k= ----------------------------------------------------------
+
+def _three_layer_hook(backend, stats=("norm", "absmax", "nan"), input_stats=("max",)):
+    """A hook on parameters of odd sizes, one per float dtype, whose gradients' norms differ by about 10x
+    (enc.weight < enc.bias < dec.weight); a fourth, frozen parameter has a stale row. Returns (hook, grads)."""
+    hook = fh.grad_hook(stats=stats, input_stats=input_stats, backend=backend)
+    sizes = {"enc.weight": (97, torch.float32, 0.01), "enc.bias": (3, torch.bfloat16, 1.0),
+             "dec.weight": (129, torch.float16, 10.0)}
+    params = {name: torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for name, (n, dtype, _) in sizes.items()}
+    frozen = torch.nn.Parameter(torch.zeros(5))
+    hook.register(list(params.items()) + [("frozen", frozen)])
+    frozen.sum().backward()
+    generator = torch.Generator().manual_seed(3)
+    loss = sum((p * (torch.randn(p.shape, generator=generator) * scale).to(p.dtype)).float().sum()
+               for p, (_, _, scale) in zip(params.values(), sizes.values()))
+    loss.backward()
+    return hook, {name: p.grad for name, p in params.items()}
+
+
+def test_to_scalars_selects_statistics_and_parameters(backend):
+    hook, grads = _three_layer_hook(backend)
+    everything = hook.stats.to_scalars()
+    assert "grad/frozen/norm" not in everything and len(everything) == 3 * 4
+    assert hook.stats.to_scalars(stats=None, params=None, top_k=None) == everything
+    assert hook.stats.to_scalars(stats=("norm", "input.max")) == {
+        key: value for key, value in everything.items() if key.endswith(("/norm", "/input.max"))}
+    assert hook.stats.to_scalars(stats="nan", params="enc.*") == {"grad/enc.weight/nan": 0, "grad/enc.bias/nan": 0}
+    assert list(hook.stats.to_scalars(params=["dec.*", "*.bias"], stats="absmax", prefix="")) == [
+        "enc.bias/absmax", "dec.weight/absmax"]  # read()'s order, whatever the patterns' order
+    assert hook.stats.to_scalars(params="frozen") == {}  # registered, but stale
+    check_stats({"norm": hook.stats.to_scalars(stats="norm", params="dec.weight")["grad/dec.weight/norm"]},
+                grads["dec.weight"], ["norm"])
+
+
+def test_to_scalars_top_k_summary(backend):
+    hook, grads = _three_layer_hook(backend)
+    whole = torch.cat([grad.double() for grad in grads.values()]).norm().item()
+    summary = hook.stats.to_scalars(stats="norm", top_k=2)
+    assert list(summary) == ["grad/total_norm", "grad/dec.weight/norm", "grad/enc.bias/norm"]
+    assert summary["grad/total_norm"] == pytest.approx(whole, rel=1e-5)  # each recorded norm within 1e-5
+    for name in ("dec.weight", "enc.bias"):
+        check_stats({"norm": summary[f"grad/{name}/norm"]}, grads[name], ["norm"])
+    assert hook.stats.to_scalars(top_k=0) == {"grad/total_norm": summary["grad/total_norm"]}
+    enc = hook.stats.to_scalars(params="enc.*", top_k=1, prefix="")
+    assert list(enc) == ["total_norm", "enc.bias/norm", "enc.bias/absmax", "enc.bias/nan", "enc.bias/input.max"]
+    expected = torch.cat([grads["enc.weight"].double(), grads["enc.bias"].double()]).norm().item()
+    assert enc["total_norm"] == pytest.approx(expected, rel=1e-5)
+    assert hook.stats.to_scalars(top_k=5).keys() == {"grad/total_norm"} | hook.stats.to_scalars().keys()
+    hook.stats.reset()
+    assert hook.stats.to_scalars(top_k=2) == {}
+
+
+def test_to_scalars_top_k_ranks_a_nan_norm_first(backend):
+    hook = fh.grad_hook(stats=("norm",), backend=backend)
+    big, bad = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    hook.register([("big", big), ("bad", bad)])
+    ((big * 1e3).sum() + (bad * torch.tensor([float("nan"), 1.0])).sum()).backward()
+    summary = hook.stats.to_scalars(top_k=1)
+    assert list(summary) == ["grad/total_norm", "grad/bad/norm"]
+    assert math.isnan(summary["grad/total_norm"]) and math.isnan(summary["grad/bad/norm"])
+
+
+@pytest.mark.parametrize("selection, match", [
+    ({"stats": "nrom"}, "'nrom', which is no statistic: this hook records \\['norm', 'absmax', 'nan', 'input.max'\\]"),
+    ({"stats": ("norm", "std")}, "'std', which this hook does not record: .* add 'std' to the hook's stats="),
+    ({"stats": "input.norm"}, "add 'norm' to the hook's input_stats="),
+    ({"stats": "hist"}, "'hist' is a histogram: read it with hook.stats.histogram"),
+    ({"stats": ()}, "stats= takes a name or a non-empty sequence of names"),
+    ({"stats": 3}, "stats= takes a name or a non-empty sequence of names"),
+    ({"params": "encoder.*"}, "params= pattern 'encoder.\\*' matches none of the hook's parameters \\(enc.weight, "
+                              "enc.bias, dec.weight, frozen\\)"),
+    ({"params": ["enc.*", None]}, "params= takes a name or a non-empty sequence of names"),
+    ({"top_k": -1}, "top_k= takes a number of parameters >= 0"),
+    ({"top_k": True}, "top_k= takes a number of parameters >= 0"),
+    ({"top_k": 1.5}, "top_k= takes a number of parameters >= 0"),
+])
+def test_to_scalars_refuses_bad_selections(selection, match):
+    hook, _ = _three_layer_hook("reference", stats=("norm", "absmax", "nan", "hist"))
+    with pytest.raises(ValueError, match=match):
+        hook.stats.to_scalars(**selection)
+
+
+def test_to_scalars_top_k_needs_norm():
+    hook, _ = _three_layer_hook("reference", stats=("absmax",), input_stats=("norm",))
+    with pytest.raises(ValueError, match="top_k= ranks the parameters by their gradient's norm: create the hook "
+                                         "with \"norm\" among its stats"):
+        hook.stats.to_scalars(top_k=3)

@@ -130,6 +130,28 @@ def test_log_every_logs_on_its_own_steps(tmp_path):
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [2, 4, 5]
 
 
+def test_logged_statistics_are_selected(tmp_path):
+    """params=/stats= log only those keys; top_k= the total norm (Trainer's own grad_norm, to torch's float32
+    rounding) and the k largest per-parameter norms; the default logs every statistic of every parameter."""
+    layer0, summary, everything = (fh.grad_hook(stats=("norm", "absmax")) for _ in range(3))
+    callbacks = [FusedHooksCallback(layer0, stats="norm", params=["transformer.h.0.*", "*.wpe.*"], prefix="h0/"),
+                 FusedHooksCallback(summary, stats="norm", top_k=2, prefix="top/"),
+                 FusedHooksCallback(everything)]
+    trainer, model = _train(tmp_path, 0.0, 1, callbacks, max_steps=2)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    rtol = torch_fp32_norm_rtol(p.numel() for p in model.parameters())
+    for entry in [e for e in trainer.state.log_history if "loss" in e]:
+        assert {k for k in entry if k.startswith("h0/")} == {
+            f"h0/{n}/norm" for n in names if n.startswith("transformer.h.0.") or n == "transformer.wpe.weight"}
+        top = [k for k in entry if k.startswith("top/")]
+        norms = {n: entry[f"grad/{n}/norm"] for n in names}
+        largest = sorted(norms, key=norms.get, reverse=True)[:2]
+        assert top == ["top/total_norm"] + [f"top/{n}/norm" for n in largest]
+        assert entry["top/total_norm"] == pytest.approx(entry["grad_norm"], rel=rtol + 1e-12, abs=0)
+        every = {f"grad/{n}/{stat}" for n in names for stat in ("norm", "absmax")}
+        assert {k for k in entry if k.startswith("grad/")} == every
+
+
 def test_refusals(tmp_path):
     with pytest.raises(ValueError, match='"norm" among its stats'):
         FusedHooksCallback(fh.grad_hook(stats=("max",)), max_grad_norm=1.0)
@@ -139,6 +161,15 @@ def test_refusals(tmp_path):
         FusedHooksCallback(fh.grad_hook(stats=("norm",)), log_every=0)
     with pytest.raises(TypeError, match="fusedhooks hook"):
         FusedHooksCallback(lambda g: g)
+    with pytest.raises(ValueError, match="'std', which this hook does not record"):
+        FusedHooksCallback(fh.grad_hook(stats=("norm",)), stats=("norm", "std"))
+    with pytest.raises(ValueError, match="top_k= ranks the parameters by their gradient's norm"):
+        FusedHooksCallback(fh.grad_hook(stats=("max",)), top_k=3)
+    unmatched = FusedHooksCallback(fh.grad_hook(stats=("norm",)), params="transformer.h.9.*")
+    with pytest.raises(ValueError, match="params= pattern 'transformer.h.9.\\*' matches none of the hook's "
+                                         "parameters \\(transformer.wte.weight, "):
+        _train(tmp_path, 0.0, 1, [unmatched])
+    assert unmatched._handle is None and len(unmatched.hook.registry) == 0
     with pytest.raises(ValueError, match="set TrainingArguments\\(max_grad_norm=0\\)"):
         _train(tmp_path, 1.0, 1, [FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)])
 

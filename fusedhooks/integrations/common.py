@@ -6,17 +6,19 @@ import math
 
 from ..api import GradHook
 from ..clip import clip_grad_norm_
+from ..stats import ScalarSelection, scalars_of
 
 
 class StepCallbackBase:
     """A hook run once per optimizer step by a framework's callback: `max_grad_norm` (clip by the global norm from
     the norms the hook recorded), `log_every` (optimizer steps between logs; None: `default_cadence`, the
-    framework's own), `prefix` of the logged keys, `norm_type` of the clip."""
+    framework's own), `prefix` of the logged keys, `norm_type` of the clip; `stats`, `params`, `top_k`: what is
+    logged, as in `hook.stats.to_scalars` (None: everything)."""
 
     default_cadence = "the framework's logging steps"
 
     def __init__(self, hook: GradHook, max_grad_norm: float | None = None, log_every: int | None = None,
-                 prefix: str = "grad/", norm_type: float = 2.0):
+                 prefix: str = "grad/", norm_type: float = 2.0, stats=None, params=None, top_k: int | None = None):
         if not isinstance(hook, GradHook):
             raise TypeError(f"FusedHooksCallback takes a fusedhooks hook (fh.grad_hook(...)), "
                             f"not {type(hook).__name__}")
@@ -30,6 +32,8 @@ class StepCallbackBase:
         if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
             raise ValueError(f"log_every= takes a number of optimizer steps >= 1 (None: {self.default_cadence}), "
                              f"not {log_every!r}")
+        self.selection = ScalarSelection(stats, params, top_k)
+        self.selection.check_stats(hook.stats.slot_names)
         self.hook, self.max_grad_norm, self.log_every = hook, max_grad_norm, log_every
         self.prefix, self.norm_type = prefix, norm_type
         self.total_norm = None  # the last global norm of fh.clip_grad_norm_ (0-dim tensor), before clipping
@@ -40,9 +44,20 @@ class StepCallbackBase:
         self.total_norm = clip_grad_norm_(self.hook, self.max_grad_norm, norm_type=self.norm_type)
         return self.total_norm
 
+    def register(self, model, when) -> None:
+        """Register the hook on `model` (at training's start) with `when=`; then refuse (unregistered again) a
+        `params` pattern that matches none of the hook's parameters."""
+        self._handle = self.hook.register(model, when=when)
+        try:
+            self.selection.check(self.hook.stats.slot_names, self.hook.stats.names)
+        except ValueError:
+            self.remove()
+            raise
+
     def scalars(self) -> dict:
-        """The statistics to log (one sync): `hook.stats.to_scalars(prefix)`, and the total norm when it clips."""
-        scalars = self.hook.stats.to_scalars(self.prefix)
+        """The statistics to log (one sync): `hook.stats.to_scalars(prefix, stats, params, top_k)`, and the total
+        norm when it clips (the clip's, over every registered gradient, replaces top_k's `total_norm`)."""
+        scalars = scalars_of(self.hook.stats.read(), self.prefix, self.selection)
         if self.total_norm is not None:
             scalars[f"{self.prefix}total_norm"] = self.total_norm.item()
         return scalars

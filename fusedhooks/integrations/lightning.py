@@ -31,14 +31,15 @@ class FusedHooksCallback(StepCallbackBase, Callback):
       (`gradient_clip_algorithm="norm"`). Leave Trainer's `gradient_clip_val` unset (refused: it would clip twice).
       The global norm counts every gradient the hook is registered on, Lightning's the optimizer's parameters: the
       same set unless some parameters that require grad are in no optimizer (warned at `fit()`'s start).
-    - Logging: `hook.stats.to_scalars(prefix)` (`grad/<parameter>/<statistic>`: the gradient as the hook left it,
-      before the global clip), and `grad/total_norm` (before clipping) when it clips, through
-      `pl_module.log_dict(on_step=True)` in `on_before_optimizer_step`: read on the steps where Lightning writes to
-      its loggers (`log_every_n_steps`) when `log_every` is None, else every `log_every` optimizer steps (Lightning
-      still writes its loggers at its own cadence, repeating the last values logged in between, as for any value
-      logged on some steps only). Reading the statistics costs one device sync per logged step, none otherwise;
-      the values are logged as float64 CPU tensors, so Lightning neither copies them to the device nor reads them
-      back.
+    - Logging: `hook.stats.to_scalars(prefix, stats, params, top_k)` (`grad/<parameter>/<statistic>`: the gradient
+      as the hook left it, before the global clip; the options select what, as in `to_scalars`; a `params` pattern
+      matching no parameter is refused at `fit()`'s start), and `grad/total_norm` (before clipping) when it clips,
+      through `pl_module.log_dict(on_step=True)` in `on_before_optimizer_step`: read on the steps where Lightning
+      writes to its loggers (`log_every_n_steps`) when `log_every` is None, else every `log_every` optimizer steps
+      (Lightning still writes its loggers at its own cadence, repeating the last values logged in between, as for
+      any value logged on some steps only). Reading the statistics costs one device sync per logged step, none
+      otherwise; the values are logged as float64 CPU tensors, so Lightning neither copies them to the device nor
+      reads them back.
     - Precision: `32-true`, `64-true`, `bf16-mixed`, `bf16-true` and `16-true` (the same results as
       gradient_clip_val). `16-mixed` is refused: its GradScaler unscales the gradients only after backward, so the
       hook would see scaled gradients (use bf16-mixed, or a hook with scaler= in a plain loop). Strategies that
@@ -74,7 +75,7 @@ class FusedHooksCallback(StepCallbackBase, Callback):
         if self._handle is None:
             epoch_loop = trainer.fit_loop.epoch_loop
             steps = (lambda: not epoch_loop._should_accumulate()) if pl_module.automatic_optimization else None
-            self._handle = self.hook.register(pl_module, when=steps)
+            self.register(pl_module, steps)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.max_grad_norm is not None:

@@ -29,12 +29,13 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
       read of every gradient (accelerate's `clip_grad_norm_` with `max_norm=inf`). To save that read, override
       `Trainer._get_grad_norm` to return `callback.clip_grad_norm().item()` (it clips there, once per step;
       docs/integrations.md, "Hugging Face Trainer").
-    - Logging: `hook.stats.to_scalars(prefix)` (`grad/<parameter>/<statistic>`), and `grad/total_norm` when it
-      clips, join Trainer's training logs (`trainer.state.log_history` and the `logs` passed to later callbacks'
-      `on_log`): at every training log (Trainer's `logging_steps`) when `log_every` is None, else every
-      `log_every` optimizer steps (Trainer then logs at those steps too). Trainer calls its `report_to`
-      callbacks (TensorBoard, W&B, ...) before user callbacks, so to have them log the statistics as well, put
-      this callback first: `trainer.callback_handler.callbacks.insert(0, callback)`.
+    - Logging: `hook.stats.to_scalars(prefix, stats, params, top_k)` (`grad/<parameter>/<statistic>`; the options
+      select what, as in `to_scalars`; a `params` pattern matching no parameter is refused at `train()`'s start),
+      and `grad/total_norm` when it clips, join Trainer's training logs (`trainer.state.log_history` and the
+      `logs` passed to later callbacks' `on_log`): at every training log (Trainer's `logging_steps`) when
+      `log_every` is None, else every `log_every` optimizer steps (Trainer then logs at those steps too). Trainer
+      calls its `report_to` callbacks (TensorBoard, W&B, ...) before user callbacks, so to have them log the
+      statistics as well, put this callback first: `trainer.callback_handler.callbacks.insert(0, callback)`.
     Reading the statistics costs one device sync per log, none otherwise.
 
     Precision: fp32, `bf16=True`, and `fp16=True` where accelerate creates no GradScaler (CPU). `fp16=True` with a
@@ -47,8 +48,8 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
     default_cadence = "Trainer's logging_steps"
 
     def __init__(self, hook, max_grad_norm: float | None = None, log_every: int | None = None,
-                 prefix: str = "grad/", norm_type: float = 2.0):
-        super().__init__(hook, max_grad_norm, log_every, prefix, norm_type)
+                 prefix: str = "grad/", norm_type: float = 2.0, stats=None, params=None, top_k: int | None = None):
+        super().__init__(hook, max_grad_norm, log_every, prefix, norm_type, stats, params, top_k)
         self._clipped = False  # in this optimizer step
         self._gradient_state = None
 
@@ -72,7 +73,7 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
                              "scaler), fp32, or a hook with scaler= in a plain loop")
         self.remove()  # a train() that raised left its registration (Trainer calls no callback then)
         self._gradient_state = GradientState()
-        self._handle = self.hook.register(model, when=self._steps)
+        self.register(model, self._steps)
 
     def clip_grad_norm(self):
         """Clip by max_grad_norm now, unless done already in this optimizer step; the total norm (0-dim tensor)."""
