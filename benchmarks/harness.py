@@ -179,8 +179,8 @@ def tuning_info(device: torch.device) -> dict:
     """Where fusedhooks' tuning cache (`python -m fusedhooks tune`) is, and how many kernels it has tuned for
     this device: launch configurations change the figures."""
     try:
-        from fusedhooks import tuning
-        return {"cache": str(tuning.cache_path()),
+        from fusedhooks import config, tuning
+        return {"cache": str(config.tune_cache()),
                 "kernels_tuned_for_this_device": len(tuning.load().get(tuning.device_key(device), {}))}
     except Exception as e:  # optional: a library without the cache, or an unreadable file
         return {"unavailable": f"{type(e).__name__}: {e}"}

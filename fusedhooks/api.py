@@ -6,7 +6,6 @@ import contextlib
 import functools
 import itertools
 import math
-import os
 import threading
 import warnings
 import weakref
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every firing
 
-from . import amp, codegen, dims, distributed, eager, gates, runtime
+from . import amp, codegen, config, dims, distributed, eager, gates, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
@@ -453,7 +452,7 @@ class GradHook:
             return backend
         except dims.Unsupported as e:
             reason = str(e)
-        if (self.backend or os.environ.get("FUSEDHOOKS_BACKEND")) == "triton":
+        if (self.backend or config.backend()) == "triton":
             raise CompileError(f"{self.__name__} has {reason}, which the Triton backend does not compile; use "
                                "backend='reference' (eager torch ops, on any device) or, on CPU, backend='eager'")
         if warn and not self._dims_warned:
@@ -768,7 +767,7 @@ class GradHook:
         graph = self._graph(dtype, shape)
         backend = self._backend_for(device, graph, warn=False)
         module = None
-        if backend == "triton" and numel and runtime.tuning.cache_path().exists():  # a tuned BLOCK applies
+        if backend == "triton" and numel and config.tune_cache().exists():  # a tuned BLOCK applies
             module = self.compiled(dtype, device, shape=shape).kernel
         block = runtime.launch_config(numel, device.type, module, device, dtype)[0] if numel else None
         torch_ops = eager.compile_body(graph).shown if backend == "eager" and graph.writes else None

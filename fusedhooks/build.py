@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import config
+
 #: The targets `python -m fusedhooks build` knows: (backend, arch, warp size).
 TARGETS = {"cuda:80": ("cuda", 80, 32), "cuda:90": ("cuda", 90, 32), "hip:gfx942": ("hip", "gfx942", 64)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -241,7 +243,7 @@ def main(args) -> int:
     import json
     import multiprocessing
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if config.triton_interpret():
         raise argparse.ArgumentTypeError("python -m fusedhooks build compiles for GPU targets: unset TRITON_INTERPRET "
                                          "(with it, triton.jit makes interpreter functions, which compile for no "
                                          "target)")

@@ -15,11 +15,10 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from . import dims
+from . import config, dims
 from .ir import COMPARISONS, STAT_NAMES, Graph, Node, computes_in_operand_dtype, is_reduction, reduction_spec
 from .plan import PARTIAL_FLAGS, Plan, partial_flags
 
@@ -1281,14 +1280,6 @@ def _storage_type(dtype: torch.dtype) -> str:
 
 # --- the on-disk cache -----------------------------------------------------------------------------
 
-def cache_dir() -> Path:
-    """FUSEDHOOKS_CACHE_DIR, else $XDG_CACHE_HOME/fusedhooks, else ~/.cache/fusedhooks."""
-    env = os.environ.get("FUSEDHOOKS_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fusedhooks"
-
-
 _loaded: dict[str, object] = {}
 
 
@@ -1301,7 +1292,7 @@ def load(source: str, spec: LaunchSpec | None = None):
         if spec is not None:
             module.SPEC = spec
         return module
-    directory = cache_dir()
+    directory = config.cache_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -10,19 +10,9 @@ FUSEDHOOKS_FAST_LAUNCH=0 turns it off (every launch through `kernel[grid]`).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-
-def enabled() -> bool:
-    value = os.environ.get("FUSEDHOOKS_FAST_LAUNCH", "1").strip().lower()
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("", "0", "false", "off", "no"):
-        return False
-    raise ValueError(f"FUSEDHOOKS_FAST_LAUNCH={value!r}: set it to 1 (the default: launch through the bound "
-                     "launcher) or 0 (every launch through kernel[grid])")
+from . import config
 
 
 def specialization(args) -> tuple:
@@ -46,7 +36,7 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict, cache: dict) -> None:
     device = driver.active.get_current_device()
     key = (device, specialization(args))
     entry = cache.get(key)
-    if entry is None or not enabled():
+    if entry is None or not config.fast_launch():
         compiled = kernel[grid](*args, **meta)
         if hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
             names = constexpr_names(kernel)

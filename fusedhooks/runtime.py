@@ -5,14 +5,13 @@ from __future__ import annotations
 import array
 import functools
 import operator
-import os
 import threading
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import increment_version
 
-from . import eager, fastlaunch, reference, tuning
+from . import config, eager, fastlaunch, reference, tuning
 from .dims import units_launch
 from .layout import flat_span
 from .plan import Plan
@@ -30,11 +29,6 @@ def default_block(dtype: torch.dtype) -> int:
     kernels need up to 161 registers per thread at 4096 elements and 8 warps, and at 2048 two of them spill; at
     1024 and 8 warps at most 64 registers, no spill)."""
     return DEFAULT_BLOCK if dtype.itemsize <= 4 else DEFAULT_BLOCK // 4
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 #: The backends a hook can ask for (grad_hook(backend=), FUSEDHOOKS_BACKEND).
@@ -57,7 +51,7 @@ def choose_backend(device: torch.device, requested: str | None = None) -> str:
     if requested:
         check_backend(requested)
     else:
-        requested = os.environ.get("FUSEDHOOKS_BACKEND") or "auto"
+        requested = config.backend() or "auto"
         check_backend(requested, " (from the environment variable FUSEDHOOKS_BACKEND)")
     if requested == "reference":
         return "reference"
@@ -66,7 +60,7 @@ def choose_backend(device: torch.device, requested: str | None = None) -> str:
             raise RuntimeError(f"the eager backend runs on CPU tensors (it reads statistics on the host); got a "
                                f"{device.type} tensor: use backend='auto' or 'triton'")
         return "eager"
-    triton_ok = device.type == "cuda" or (device.type == "cpu" and interpreting())
+    triton_ok = device.type == "cuda" or (device.type == "cpu" and config.triton_interpret())
     if requested == "triton" and not triton_ok:
         raise RuntimeError(f"the triton backend runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; "
                            f"got a {device.type} tensor")
@@ -79,15 +73,9 @@ def block_size(module=None, device: torch.device | None = None, dtype: torch.dty
     """Elements per program for `dtype` gradients: FUSEDHOOKS_BLOCK (a power of two >= 16) if set, else the BLOCK
     tuned for these kernels on this device (`python -m fusedhooks tune`), else default_block(dtype). One BLOCK
     serves every size."""
-    override = os.environ.get("FUSEDHOOKS_BLOCK")
+    override = config.block()
     if override:
-        try:
-            block = int(override)
-        except ValueError:
-            block = 0  # refused below
-        if block < 16 or block & (block - 1):
-            raise ValueError(f"FUSEDHOOKS_BLOCK must be a power of two >= 16, not {override!r}")
-        return block
+        return override
     entry = tuning.lookup(module, device) if module is not None and device is not None else None
     return entry["block"] if entry else default_block(dtype)
 
@@ -177,7 +165,7 @@ def launch(kernel, grid: tuple, *args, fast: dict | None = None, **meta) -> None
 
     fast: a dict the caller keeps for this kernel, grid and meta (a Bound's): on a GPU the first launch leaves
     the compiled kernel in it and later ones launch that directly (see `fastlaunch`)."""
-    if interpreting():
+    if config.triton_interpret():
         with _interpreter_lock:
             kernel[grid](*args, **meta)
     elif fast is not None:

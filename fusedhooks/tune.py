@@ -23,6 +23,7 @@ import torch
 from . import runtime, tuning
 from .api import GradHook, grad_hook
 from .progress import Progress
+from .config import tune_cache
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -212,7 +213,7 @@ def main(args) -> int:
     if sizes is None:
         sizes = [5000, 20000] if quick else [1 << 12, 1 << 16, 1 << 20, 1 << 24]
     results = tune(hook, sizes, dtypes, device, quick=quick)
-    print(f"tuned {len(results)} kernel(s) on {tuning.device_key(device)}; cache: {tuning.cache_path()}")
+    print(f"tuned {len(results)} kernel(s) on {tuning.device_key(device)}; cache: {tune_cache()}")
     for digest, entry in results.items():
         print(f"  {digest} ({entry['dtype']}): BLOCK={entry['block']}, {len(entry['tried'])} trials, "
               f"per size: {entry['sizes']}")

@@ -22,16 +22,10 @@ from pathlib import Path
 
 import torch
 
-from .codegen import cache_dir
+from . import config
 
 _cache: dict | None = None
 _device_keys: dict[torch.device, str] = {}
-
-
-def cache_path() -> Path:
-    """FUSEDHOOKS_TUNE_CACHE, else tuning.json in the kernel cache directory."""
-    env = os.environ.get("FUSEDHOOKS_TUNE_CACHE")
-    return Path(env) if env else cache_dir() / "tuning.json"
 
 
 def device_key(device: torch.device) -> str:
@@ -57,7 +51,7 @@ _lookups: dict[tuple, dict | None] = {}
 def load(reload: bool = False) -> dict:
     global _cache
     if _cache is None or reload:
-        _cache = _read(cache_path())
+        _cache = _read(config.tune_cache())
         _lookups.clear()
     return _cache
 
@@ -90,7 +84,7 @@ def lookup(module, device: torch.device) -> dict | None:
 
 def store(device: torch.device, digest: str, entry: dict) -> Path:
     """Add or replace one kernel's entry in the cache file; returns its path."""
-    path = cache_path()
+    path = config.tune_cache()
     data = _read(path)
     data.setdefault(device_key(device), {})[digest] = entry
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -84,18 +84,6 @@ def test_importing_fusedhooks_does_not_import_triton():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_the_repository_root_holds_no_package_but_fusedhooks():
-    """`python -m pytest` (and python -c, a REPL) puts the repository root first on sys.path, where a package or
-    module would shadow an installed one of the same name: a top-level kernels/ once hid Hugging Face's `kernels`,
-    which transformers imports."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    importable = sorted(p.stem for p in root.iterdir() if not p.name.startswith(".")
-                        and (p.suffix == ".py" or (p / "__init__.py").is_file()))
-    assert importable == ["fusedhooks"]
-
-
 def test_sizes_are_never_specialized_into_constants():
     """On a GPU, Triton makes an integer argument equal to 1 a constexpr; `numel.to(tl.float64)` in the merge
     would then fail to compile for a 1-element gradient (triton-lang/triton#2939). The interpreter does not

@@ -613,15 +613,15 @@ def test_a_decorated_hook_compiles_again_with_other_options():
 @pytest.mark.parametrize(("value", "on"), [("1", True), ("true", True), ("on", True), ("0", False), ("", False),
                                            ("false", False), ("off", False), ("no", False)])
 def test_fast_launch_switch_reads_the_usual_spellings(value, on, monkeypatch):
-    from fusedhooks import fastlaunch
+    from fusedhooks import config
 
     monkeypatch.setenv("FUSEDHOOKS_FAST_LAUNCH", value)
-    assert fastlaunch.enabled() is on
+    assert config.fast_launch() is on
 
 
 def test_fast_launch_switch_refuses_anything_else(monkeypatch):
-    from fusedhooks import fastlaunch
+    from fusedhooks import config
 
     monkeypatch.setenv("FUSEDHOOKS_FAST_LAUNCH", "2")
     with pytest.raises(ValueError, match="FUSEDHOOKS_FAST_LAUNCH"):
-        fastlaunch.enabled()
+        config.fast_launch()
