@@ -22,8 +22,8 @@ import torch
 
 from . import runtime, tuning
 from .api import GradHook, grad_hook
-from .progress import Progress
 from .config import tune_cache
+from .progress import Progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
