@@ -83,22 +83,25 @@ class BackwardBooks:
     ends normally. Queued as that backward's end-of-backward callback, which holds it: a backward that raises drops
     it, and the books stay as they were, as torch's recipe never reaches `scaler.unscale_` in a failed iteration."""
 
-    __slots__ = ("state", "found", "__weakref__")
+    __slots__ = ("state", "found", "unscaled", "__weakref__")
 
     def __init__(self, state: dict):
         self.state = state
         self.found: dict[torch.device, torch.Tensor] = {}
+        self.unscaled: set[tuple[int, int]] = set()  # (hook key, statistics row) of the gradients it unscaled
 
     def __call__(self) -> None:
-        commit(self.state, self.found)
+        commit(self.state, self.found, self.unscaled)
 
 
-def commit(state: dict, found: dict[torch.device, torch.Tensor]) -> None:
-    """Mark the optimizer of `state` as unscaled by fusedhooks, its found_inf per device summed with `found`'s."""
+def commit(state: dict, found: dict[torch.device, torch.Tensor], unscaled: set[tuple[int, int]]) -> None:
+    """Mark the optimizer of `state` as unscaled by fusedhooks, its found_inf per device summed with `found`'s, and
+    the gradients `unscaled` ((hook key, row) pairs) as unscaled until scaler.update() (which replaces `state`)."""
     from torch.amp.grad_scaler import OptState
 
     state["stage"] = OptState.UNSCALED
     state["fusedhooks"] = True
+    state.setdefault("fusedhooks_unscaled", set()).update(unscaled)
     books = state["found_inf_per_device"]
     for device, value in found.items():
         kept = books.get(device)

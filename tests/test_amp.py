@@ -204,6 +204,37 @@ def test_a_grad_scaler_subclass_defined_later_bumps_versions_too():
 
 
 @pytest.mark.parametrize("bucket_mb", [None, 25], ids=["per-firing", "buckets"])
+def test_accumulation_unscales_once_per_step_and_a_second_unscale_is_refused(backend, bucket_mb):
+    """Two micro-batches per step: a scaler= hook registered with accumulation_steps=2 unscales the accumulated
+    gradient once, as torch's recipe (scaler.unscale_ after both backwards); firing at both backwards would add the
+    second one's scaled gradient to the unscaled first one (half the gradient, silently): refused, as torch refuses
+    a second unscale_ before update(), with a message that says what to do."""
+    def run(use_hook, accumulation_steps=2):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        if use_hook:
+            fh.grad_hook(lambda grad: grad.clamp(-0.05, 0.05), scaler=scaler, optimizer=opt,
+                         backend=backend).register(model, bucket_mb=bucket_mb, accumulation_steps=accumulation_steps)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            for _ in range(2):
+                scaler.scale(model(torch.randn(8, 8, generator=gen)).square().mean()).backward()
+            if not use_hook:
+                scaler.unscale_(opt)
+                for p in model.parameters():
+                    p.grad.clamp_(-0.05, 0.05)
+            scaler.step(opt)
+            scaler.update()
+        return [p.detach() for p in model.parameters()]
+
+    assert all(torch.equal(p, e) for p, e in zip(run(True), run(False)))
+    with pytest.raises(RuntimeError, match="already unscaled this gradient in an earlier backward.*accumulation_steps"):
+        run(True, accumulation_steps=None)
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 25], ids=["per-firing", "buckets"])
 @pytest.mark.parametrize("backwards_per_step", [1, 2])
 def test_a_backward_that_raises_leaves_the_scalers_books_as_they_were(backend, bucket_mb, backwards_per_step):
     """The failed backward's last layer fires on an overflowing gradient, then the backward raises; the loop drops

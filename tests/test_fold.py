@@ -18,31 +18,34 @@ def make_model(dtype):
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5)).to(dtype)
 
 
-def train(make_optimizer, dtype, use_fh, backend, with_scaler=False, norm_type=2.0, inf_step=None):
-    """STEPS steps of torch's recipe (clip_grad_norm_ after unscale_, then step) or of fusedhooks' (a statistics
-    hook, with scaler= when there is a GradScaler, and fh.clip_grad_norm_(..., optimizer=opt)); the loss is large
-    enough that every step clips. Returns (model, optimizer, total norms, scales)."""
+def train(make_optimizer, dtype, use_fh, backend, with_scaler=False, norm_type=2.0, inf_step=None, steps=STEPS,
+          accumulation=1):
+    """`steps` steps (each of `accumulation` micro-batches) of torch's recipe (clip_grad_norm_ after unscale_, then
+    step) or of fusedhooks' (a statistics hook, with scaler= when there is a GradScaler, and
+    fh.clip_grad_norm_(..., optimizer=opt)); the loss is large enough that every step clips. Returns (model,
+    optimizer, total norms, scales)."""
     model = make_model(dtype)
     opt = make_optimizer(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if with_scaler else None
     if use_fh:
         hook = fh.grad_hook(stats=("norm", "absmax"), backend=backend, scaler=scaler,
                             optimizer=opt if with_scaler else None)
-        hook.register(model)
+        hook.register(model, accumulation_steps=accumulation)  # fires on the accumulated gradient
     gen = torch.Generator().manual_seed(1)
     totals, scales = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad(set_to_none=step % 2 == 0)
-        x, y = torch.randn(16, 8, generator=gen).to(dtype), torch.randn(16, 5, generator=gen).to(dtype)
-        loss = torch.nn.functional.mse_loss(model(x), y) * 20
-        if step == inf_step:
-            loss = loss * math.inf
-        if scaler is None:
-            loss.backward()
-        else:
-            scaler.scale(loss).backward()
-            if not use_fh:
-                scaler.unscale_(opt)
+        for _ in range(accumulation):
+            x, y = torch.randn(16, 8, generator=gen).to(dtype), torch.randn(16, 5, generator=gen).to(dtype)
+            loss = torch.nn.functional.mse_loss(model(x), y) * (20 / accumulation)
+            if step == inf_step:
+                loss = loss * math.inf
+            if scaler is None:
+                loss.backward()
+            else:
+                scaler.scale(loss).backward()
+        if scaler is not None and not use_fh:
+            scaler.unscale_(opt)
         if use_fh:
             totals.append(fh.clip_grad_norm_(hook, MAX_NORM, norm_type, optimizer=opt))
         else:
@@ -92,19 +95,30 @@ def assert_trains_as_torch(name, dtype, backend, **kwargs):
     for total, expected in zip(totals, expected_totals):
         assert total.dtype == expected.dtype
         torch.testing.assert_close(total, expected, rtol=delta, atol=0, equal_nan=True)
+    steps = kwargs.get("steps", STEPS)
     for p, e, s in zip(model.parameters(), expected_model.parameters(), start.parameters()):
-        assert_close_after_steps(p.detach(), e.detach(), s.detach(), delta, STEPS)
+        assert_close_after_steps(p.detach(), e.detach(), s.detach(), delta, steps)
     state, expected_state = optimizer_state(opt), optimizer_state(expected_opt)
     assert len(state) == len(expected_state) > 0
     for t, e in zip(state, expected_state):
         assert t.dtype == e.dtype
-        assert_close_after_steps(t, e, torch.zeros_like(e), delta, STEPS)
+        assert_close_after_steps(t, e, torch.zeros_like(e), delta, steps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", FUSED_OPTIMIZERS)
 def test_folded_clip_trains_as_torchs_clip_and_step(name, dtype, backend):
     assert_trains_as_torch(name, dtype, backend)
+
+
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["plain", "grad_scaler"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", FUSED_OPTIMIZERS)
+def test_fifty_accumulated_steps_train_as_torchs(name, dtype, with_scaler, backend):
+    """50 optimizer steps of 2 accumulated micro-batches each (the hook registered with accumulation_steps=2: it
+    fires on the accumulated gradient), with and without a GradScaler (step 7 overflows)."""
+    assert_trains_as_torch(name, dtype, backend, steps=50, accumulation=2, with_scaler=with_scaler,
+                           inf_step=7 if with_scaler else None)
 
 
 @pytest.mark.parametrize("name", FUSED_OPTIMIZERS)
