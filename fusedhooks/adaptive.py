@@ -9,7 +9,7 @@ import math
 import torch
 
 from . import gates, runtime
-from .api import GradHook, RegistrationHandle, _check_param, named_tensors
+from .api import GradHook, RegistrationHandle, _check_param, named_tensors, run_outside_graph
 from .stats import ParamStats, ScalarSelection, StatsReading
 
 
@@ -90,7 +90,7 @@ class AdaptiveClip:
                 handle._on_remove.append(functools.partial(self._forget, pname, hook))
                 update = self._update(pname, hook, state)
                 if gate is not None:  # the registration's gate: the same decision as the hook's in each backward
-                    update = gates.gated(update, gate, lambda hook=hook: hook._paused)
+                    update = gates.gated(update, gate, run_outside_graph, lambda hook=hook: hook._paused)
                 handle._add(t, t.register_post_accumulate_grad_hook(update))
         except BaseException:
             handle.remove()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import math
 import threading
 import warnings
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every firing
 
-from . import amp, codegen, config, dims, distributed, eager, gates, runtime
+from . import amp, codegen, config, dims, distributed, eager, gates, optable, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
@@ -23,16 +22,43 @@ from .registry import Entry, Registry
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
 
-# every hook by a process-unique int: what a firing under torch.compile names it by (see ops.py)
-HOOKS: weakref.WeakValueDictionary[int, GradHook] = weakref.WeakValueDictionary()
-_hook_keys = itertools.count(1)
-
 
 def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
-    """A firing while torch.compile traces the hook (compiled autograd): one fusedhooks::fire op."""
+    """What a hook does when called while torch.compile traces it (compiled autograd): one call of
+    fusedhooks::fire (see ops.py), for each gradient at its own firing (a hook registered with bucket_mb= too:
+    see docs/compile.md)."""
     from . import ops
 
-    ops.fire_compiling(hook, param)
+    grad = param.grad
+    if grad is None:
+        return
+    if hook.records(grad, param):  # backward(create_graph=True): the body must run as ops autograd records
+        ops.outside_graph(hook._fire_unless_paused, param)
+        return
+    stats = hook.stats.buffer if hook.stats.slot_names else None
+    found_inf = hook._found_inf.get(grad.device) if hook.scaler is not None else None
+    torch.ops.fusedhooks.fire(grad, param, stats, found_inf, list(hook._body.scalars), hook.op_key)
+
+
+def _fire_in_op(hook: GradHook, param: torch.Tensor, grad: torch.Tensor
+                ) -> tuple[torch.Tensor | None, dict[torch.device, torch.Tensor]] | None:
+    """The implementation of fusedhooks::fire (ops.py): fire `hook` on `grad`, `param`'s gradient, unless it is
+    paused (None); else the tensors the firing writes: (the statistics buffer, found_inf by device)."""
+    if hook._paused:
+        return None
+    hook.fire(param, hook.registry.get(param), grad=grad)
+    return hook.stats.buffer, hook._found_inf
+
+
+def run_outside_graph(fn, *args) -> None:
+    """`fn(*args)` outside the graph torch.compile traces (`ops.outside_graph`, imported when first needed): how
+    the gates of `register(..., accumulation_steps=, when=)` run under compile (see `gates.gated`)."""
+    from . import ops
+
+    ops.outside_graph(fn, *args)
+
+
+optable.implement("fire", _fire_in_op)
 
 
 #: the shape a body is first lowered for, at decoration
@@ -162,8 +188,8 @@ class GradHook:
         self._workspaces: dict[tuple, runtime.Workspace] = {}
         self._registering = threading.RLock()  # registrations, at register() and at first firings
         self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
-        self._op_key = next(_hook_keys)
-        HOOKS[self._op_key] = self
+        #: what a traced call of a fusedhooks operator names this hook by (see ops.py, optable.py)
+        self.op_key = optable.add(self)
         if fn is not None:
             functools.update_wrapper(self, fn, updated=())
         else:
@@ -613,7 +639,7 @@ class GradHook:
                 entry.bucket_bytes = bucket_bytes
                 fire = self._buckets.torch_hook(entry) if bucket_bytes else self._at_firing(entry)
                 if when is not None:
-                    fire = gates.gated(fire, when, lambda: self._paused)
+                    fire = gates.gated(fire, when, run_outside_graph, lambda: self._paused)
                 torch_handle = t.register_post_accumulate_grad_hook(fire)
                 entry.torch_hook_id = torch_handle.id
                 handle._add(t, torch_handle, self.registry)
@@ -731,6 +757,12 @@ class GradHook:
             with self._state_lock:
                 self._pauses -= 1
                 self._paused = self._pauses > 0
+
+    def _fire_unless_paused(self, param: torch.Tensor) -> None:
+        """The eager firing, run outside the graph torch.compile traces: for a gradient that requires grad
+        (backward(create_graph=True)), whose body runs as eager torch ops that autograd records."""
+        if not self._paused:
+            self.fire(param, self.registry.get(param))
 
     def _targets(self, target, name):
         return named_tensors(target, name, self._auto_name)
