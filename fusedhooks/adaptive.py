@@ -85,13 +85,13 @@ class AdaptiveClip:
                 state = torch.tensor([math.inf, 0.0], dtype=torch.float32, device=t.device)
                 hook = GradHook(_adagc_body(state, self.ratio, self.max_norm, self.warmup_steps), stats=("norm",),
                                 input_stats=("norm",), backend=self.backend)
-                handle._extend(hook.register(t, name=pname, when=gate))
+                handle.extend(hook.register(t, name=pname, when=gate))
                 self._hooks[pname], self._states[pname] = hook, state
-                handle._on_remove.append(functools.partial(self._forget, pname, hook))
+                handle.on_remove(functools.partial(self._forget, pname, hook))
                 update = self._update(pname, hook, state)
                 if gate is not None:  # the registration's gate: the same decision as the hook's in each backward
                     update = gates.gated(update, gate, run_outside_graph, lambda hook=hook: hook._paused)
-                handle._add(t, t.register_post_accumulate_grad_hook(update))
+                handle.add(t, t.register_post_accumulate_grad_hook(update))
         except BaseException:
             handle.remove()
             raise

@@ -18,7 +18,7 @@ from . import amp, codegen, config, dims, distributed, eager, gates, optable, ru
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
-from .registry import Entry, Registry
+from .registry import Entry, RegistrationHandle, Registry
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
 
@@ -176,7 +176,7 @@ class GradHook:
             amp.install()    # not look current after it
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
         self.registry = Registry(self.stats)
-        self._buckets = Buckets(self)
+        self._buckets = Buckets(self, _fire_compiling)
         self._shards = distributed.ShardStats(self)
         self._distributed_checked = False
         self._distributed_seen = -1  # the backward in which no process group was running, last checked
@@ -629,7 +629,7 @@ class GradHook:
         nothing. ddp_ignored: parameters a DDP model registered with the hook ignores (see Entry); when: their
         gate (default: the handle's)."""
         when = handle.when if when is None else when
-        added, before = [], len(handle._items)
+        added, before = [], handle.tracked
         try:
             for pname, t in pairs:
                 entry = self._add(pname, t)
@@ -642,11 +642,9 @@ class GradHook:
                     fire = gates.gated(fire, when, run_outside_graph, lambda: self._paused)
                 torch_handle = t.register_post_accumulate_grad_hook(fire)
                 entry.torch_hook_id = torch_handle.id
-                handle._add(t, torch_handle, self.registry)
+                handle.add(t, torch_handle, self.registry)
         except BaseException:
-            for _, torch_handle, _ in handle._items[before:]:
-                torch_handle.remove()
-            del handle._items[before:]
+            handle.untrack(before, forget=False)
             self.registry.discard(added)
             raise
 
@@ -895,58 +893,6 @@ def _check_param(name: str, t) -> None:
     if not t.is_leaf:
         raise ValueError(f"{name}: is not a leaf tensor; gradient hooks fire on leaf tensors (parameters) "
                          "after their .grad is accumulated")
-
-
-class RegistrationHandle:
-    """What `register` returns: `remove()` stops the hook on those tensors; usable as a context manager."""
-
-    def __init__(self, hook):
-        self.hook = hook
-        self._items: list[tuple[weakref.ref, object, Registry | None]] = []
-        self._on_remove: list = []
-        self.when = None  # register()'s gate (accumulation_steps=, when=): None processes every firing
-
-    def _add(self, t: torch.Tensor, torch_handle, registry: Registry | None = None) -> None:
-        """Track a torch hook handle on `t`; `registry`: where `t` is registered, forgotten at remove()."""
-        self._items.append((weakref.ref(t), torch_handle, registry))
-
-    def _extend(self, other: RegistrationHandle) -> None:
-        """Take over everything `other` would remove."""
-        self._items += other._items
-        self._on_remove += other._on_remove
-        other._items, other._on_remove = [], []
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        seen, out = set(), []
-        for ref, _, _ in self._items:
-            t = ref()
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-        return out
-
-    def remove(self) -> None:
-        """Stop the hook on these tensors: later firings only (a gradient already waiting in an end-of-backward
-        bucket of the running backward is still processed)."""
-        for ref, torch_handle, registry in self._items:
-            torch_handle.remove()
-            t = ref()
-            if t is not None and registry is not None:
-                registry.remove(t)
-        for fn in self._on_remove:
-            fn()
-        self._items.clear()
-        self._on_remove.clear()
-
-    def __enter__(self) -> RegistrationHandle:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
 
 def grad_hook(fn=None, *, stats=(), input_stats=(), backend: str | None = None, scaler=None, optimizer=None,
