@@ -44,7 +44,7 @@ def _fire_in_op(hook: GradHook, param: torch.Tensor, grad: torch.Tensor
                 ) -> tuple[torch.Tensor | None, dict[torch.device, torch.Tensor]] | None:
     """The implementation of fusedhooks::fire (ops.py): fire `hook` on `grad`, `param`'s gradient, unless it is
     paused (None); else the tensors the firing writes: (the statistics buffer, found_inf by device)."""
-    if hook._paused:
+    if hook.is_paused:
         return None
     hook.fire(param, hook.registry.get(param), grad=grad)
     return hook.stats.buffer, hook._found_inf
@@ -159,7 +159,8 @@ class GradHook:
         self._found_inf_holder: dict[torch.device, weakref.ref | None] = {}  # the running backward using it
         #: graph task id -> what its firings found for the scaler, held by its end-of-backward callback
         self._amp_backwards: weakref.WeakValueDictionary[int, amp.BackwardBooks] = weakref.WeakValueDictionary()
-        self._paused = False  # while any paused() block runs, in any thread
+        #: True while any paused() block runs, in any thread (read-only: set by paused())
+        self.is_paused = False
         self._pauses = 0
         self._state_lock = threading.Lock()  # the paused() count, the found_inf buffers
         if fn is not None and not callable(fn):
@@ -201,7 +202,7 @@ class GradHook:
         if isinstance(arg, torch.Tensor):
             if _is_compiling():
                 _fire_compiling(self, arg)
-            elif self._paused:
+            elif self.is_paused:
                 pass
             elif (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
                   and not (arg.grad is not None and arg.grad.requires_grad)):
@@ -245,7 +246,7 @@ class GradHook:
             self._shards.fire(entry, param, grad, backward_key)
             return
         if not self._distributed_checked:
-            self._check_distributed(entry, backward_key)
+            self.check_distributed(entry, backward_key)
         self.process(entry, grad, param, backward_key)
 
     def process(self, entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
@@ -261,7 +262,7 @@ class GradHook:
         else:
             compiled = self._compiled_for(grad)
         if entry.checked_shape != grad.shape:
-            self._check_shape(entry.name, grad)
+            self.check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
         if self._body.scalars:
             self._body.check_scalars()
@@ -316,12 +317,12 @@ class GradHook:
             entry.record(grad)
         return firing
 
-    def _check_distributed(self, entry: Entry, backward_key: int) -> None:
+    def check_distributed(self, entry: Entry, backward_key: int) -> None:
         """At the first firing on a gradient of this rank alone in a process group of several ranks: say once
         that the hook sees local gradients (under DDP, before they are averaged), and process end-of-backward
         buckets at each firing from now on, before DDP's reducer (which Python cannot see) reads them. Without
-        a process group, checked again at the next backward."""
-        if backward_key == self._distributed_seen or entry.ddp_ignored:
+        a process group, checked again at the next backward; once checked, nothing."""
+        if self._distributed_checked or backward_key == self._distributed_seen or entry.ddp_ignored:
             return
         world = distributed.world_size()
         if world is None:
@@ -342,6 +343,11 @@ class GradHook:
     def scalars(self) -> list[torch.Tensor]:
         """The 0-dim tensors the body closes over, in kernel-argument order (read at every firing)."""
         return self._body.scalars
+
+    def check_scalars(self) -> None:
+        """Refuse closed-over tensors the kernels cannot read as they are now (see TracedBody.check_scalars): before
+        each launch, when `scalars` is not empty."""
+        self._body.check_scalars()
 
     def amp_tensors(self, device: torch.device, backward_key: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, found_inf) for a firing in the backward `backward_key`; when that backward ends normally, the
@@ -404,7 +410,7 @@ class GradHook:
 
     # --- compiling --------------------------------------------------------------------------------
 
-    def _graph(self, dtype: torch.dtype, shape: tuple | None = None) -> Graph:
+    def graph(self, dtype: torch.dtype, shape: tuple | None = None) -> Graph:
         """The body lowered for gradients of `dtype` (and `shape`, for a body that reduces over dimensions)."""
         if not self.reduces_over_dims:
             shape = None
@@ -455,7 +461,7 @@ class GradHook:
             if s.device != device and not (device.type == "cpu" and s.device.type == "cpu"):
                 raise ValueError(f"{self.__name__}: closed-over tensor {i} is on {s.device} but the gradient is on "
                                  f"{device}; move it to {device} (the kernel reads it there, with no copy)")
-        graph = self._graph(dtype, shape)
+        graph = self.graph(dtype, shape)
         backend = self._backend_for(device, graph)
         stats, input_stats = self.stat_names, self.input_stat_names
         if shard:
@@ -493,12 +499,14 @@ class GradHook:
         key = (dtype, "autograd", tuple(shape) if self.reduces_over_dims else None)
         compiled = self._compiled.get(key)
         if compiled is None:
-            plan = make_plan(self._graph(dtype, shape), self.stat_names, self.input_stat_names, backend="reference",
+            plan = make_plan(self.graph(dtype, shape), self.stat_names, self.input_stat_names, backend="reference",
                              amp=self._amp, hist_range=self.hist_range)
             compiled = self._compiled[key] = Compiled(plan, None)
         return compiled
 
-    def _check_shape(self, name: str, t: torch.Tensor) -> None:
+    def check_shape(self, name: str, t: torch.Tensor) -> None:
+        """Refuse a gradient `t` (of the tensor `name`) the body does not fit: a reduction over dimensions it lacks,
+        a result that does not broadcast to its shape (CompileError)."""
         try:
             _, result_shape = lower(self._body_for(t.shape), t.dtype, tuple(t.shape))
         except CompileError as e:
@@ -580,22 +588,22 @@ class GradHook:
         handle = RegistrationHandle(self)
         handle.when = when
         with self._registering:  # against other threads' registrations, first firings included
-            pairs = list(self._targets(target, name))
+            pairs = list(self.named_targets(target, name))
             if not pairs:
                 raise ValueError(f"register() found no tensor to register in {type(target).__name__} {target!r:.80}: "
                                  "a module registers its parameters with requires_grad (none here: frozen, or none "
                                  "at all), an iterable its tensors")
             if isinstance(target, torch.nn.Module):
                 _check_dense_gradients(target, name)
-            self._check_targets(pairs)
+            self.check_targets(pairs)
             if torch.__future__.get_swap_module_params_on_conversion():
                 warnings.warn(SWAP_CONVERSION_WARNING, stacklevel=2)
-            self._register_pairs(pairs, bucket_bytes, handle)
+            self.register_pairs(pairs, bucket_bytes, handle)
         if isinstance(target, torch.nn.Module):
             distributed.follow_parameters(self, target, name, bucket_bytes, handle)
         return handle
 
-    def _check_targets(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    def check_targets(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         """Everything register() refuses, checked before anything is registered."""
         seen, names = set(), set()
         active = self.registry.names()
@@ -603,7 +611,7 @@ class GradHook:
         for pname, t in pairs:
             if not isinstance(pname, str) or not pname:
                 raise ValueError(f"a tensor's name takes a non-empty string (its key in stats.read()), not {pname!r}")
-            _check_param(pname, t)
+            check_param(pname, t)
             entry = self.registry.get(t)
             if entry is not None:
                 raise ValueError(f"{entry.name!r} is already registered with this hook (the same tensor)")
@@ -615,15 +623,15 @@ class GradHook:
             seen.add(id(t))
             names.add(pname)
             if distributed.is_dtensor(t):
-                self._check_sharded(pname, t)
-            self._check_shape(pname, t)
+                self.check_sharded(pname, t)
+            self.check_shape(pname, t)
             self.compiled(t.dtype, t.device, shape=t.shape)
             stats_device = self.stats.device or first_device
             if self.stats.slot_names and t.device != stats_device:
                 raise ValueError(f"{pname} is on {t.device} but this hook records statistics on "
                                  f"{stats_device}; register parameters of another device with another hook")
 
-    def _register_pairs(self, pairs: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+    def register_pairs(self, pairs: list[tuple[str, torch.Tensor]], bucket_bytes: int,
                         handle: RegistrationHandle, ddp_ignored: bool = False, when=None) -> None:
         """Register checked (name, tensor) pairs through torch's post-accumulate hooks, into `handle`; all or
         nothing. ddp_ignored: parameters a DDP model registered with the hook ignores (see Entry); when: their
@@ -632,14 +640,14 @@ class GradHook:
         added, before = [], handle.tracked
         try:
             for pname, t in pairs:
-                entry = self._add(pname, t)
+                entry = self.add_tensor(pname, t)
                 added.append(entry)
                 entry.checked_shape = t.shape  # checked above
                 entry.ddp_ignored = ddp_ignored
                 entry.bucket_bytes = bucket_bytes
                 fire = self._buckets.torch_hook(entry) if bucket_bytes else self._at_firing(entry)
                 if when is not None:
-                    fire = gates.gated(fire, when, run_outside_graph, lambda: self._paused)
+                    fire = gates.gated(fire, when, run_outside_graph, lambda: self.is_paused)
                 torch_handle = t.register_post_accumulate_grad_hook(fire)
                 entry.torch_hook_id = torch_handle.id
                 handle.add(t, torch_handle, self.registry)
@@ -648,10 +656,10 @@ class GradHook:
             self.registry.discard(added)
             raise
 
-    def _check_sharded(self, name: str, t: torch.Tensor) -> None:
+    def check_sharded(self, name: str, t: torch.Tensor) -> None:
         """What a hook cannot do on an FSDP2-sharded (DTensor) parameter, refused with what to do instead."""
         distributed.shard_group(name, t)  # refuses placements other than one Shard(d) (+ Replicate)
-        graph = self._graph(t.dtype, t.shape)
+        graph = self.graph(t.dtype, t.shape)
         if graph.reductions():
             dim = distributed.shard_dim(t)
             along = "" if dim is None else f" along dim {dim}"
@@ -686,7 +694,7 @@ class GradHook:
         def fire(param: torch.Tensor) -> None:
             if _is_compiling():
                 _fire_compiling(self, param)
-            elif not self._paused:
+            elif not self.is_paused:
                 self.fire(param, entry if entry.ref() is param else None)
         return fire
 
@@ -748,21 +756,22 @@ class GradHook:
         for every thread, while any such block runs (blocks in several threads may overlap)."""
         with self._state_lock:
             self._pauses += 1
-            self._paused = True
+            self.is_paused = True
         try:
             yield self
         finally:
             with self._state_lock:
                 self._pauses -= 1
-                self._paused = self._pauses > 0
+                self.is_paused = self._pauses > 0
 
     def _fire_unless_paused(self, param: torch.Tensor) -> None:
         """The eager firing, run outside the graph torch.compile traces: for a gradient that requires grad
         (backward(create_graph=True)), whose body runs as eager torch ops that autograd records."""
-        if not self._paused:
+        if not self.is_paused:
             self.fire(param, self.registry.get(param))
 
-    def _targets(self, target, name):
+    def named_targets(self, target, name):
+        """(name, tensor) pairs of a register() target, unnamed tensors named "param<i>" (see named_tensors)."""
         return named_tensors(target, name, self._auto_name)
 
     def _auto_name(self, taken=()) -> str:
@@ -772,15 +781,16 @@ class GradHook:
             i += 1
         return f"param{i}"
 
-    def _add(self, name: str, t: torch.Tensor) -> Entry:
-        _check_param(name, t)
+    def add_tensor(self, name: str, t: torch.Tensor) -> Entry:
+        """Check `t` (check_param) and give it an entry and a statistics row under `name`; no torch hook."""
+        check_param(name, t)
         return self.registry.add(name, t)
 
     def _add_at_firing(self, t: torch.Tensor) -> Entry:
         """Register `t`, registered through torch directly (`t.register_post_accumulate_grad_hook(hook)`), at its
         first firing; threads firing on new tensors at once get one row each."""
         with self._registering:
-            return self.registry.get(t) or self._add(self._auto_name(), t)
+            return self.registry.get(t) or self.add_tensor(self._auto_name(), t)
 
     # --- introspection ----------------------------------------------------------------------------
 
@@ -794,7 +804,7 @@ class GradHook:
             numel = math.prod(shape)
         if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
             raise ValueError(f"plan(): numel= takes a whole number of elements >= 0, not {numel!r}")
-        graph = self._graph(dtype, shape)
+        graph = self.graph(dtype, shape)
         backend = self._backend_for(device, graph, warn=False)
         module = None
         if backend == "triton" and numel and config.tune_cache().exists():  # a tuned BLOCK applies
@@ -809,7 +819,7 @@ class GradHook:
         """The generated Triton source for gradients of `dtype` (and `shape`: needed by a body that reduces over
         dimensions)."""
         check_dtype("source()", dtype)
-        plan = make_plan(self._graph(dtype, shape), self.stat_names, self.input_stat_names, amp=self._amp,
+        plan = make_plan(self.graph(dtype, shape), self.stat_names, self.input_stat_names, amp=self._amp,
                          hist_range=self.hist_range)
         try:
             return codegen.generate(plan, device_type)
@@ -828,7 +838,7 @@ class GradHook:
 def named_tensors(target, name: str | None, auto_name):
     """(name, tensor) pairs of a register() target: a Tensor (`name`, or auto_name(())), an nn.Module (its
     parameters with requires_grad, `name` as a prefix) or an iterable of Tensors (auto_name(names so far))
-    and (name, Tensor) pairs. Not checked here (see _check_param)."""
+    and (name, Tensor) pairs. Not checked here (see check_param)."""
     if isinstance(target, torch.nn.Module):  # FSDP2's sharded parameters, also while it holds unsharded ones
         yield from distributed.current_parameters(target, name)
     elif isinstance(target, torch.Tensor):
@@ -878,7 +888,7 @@ def check_dtype(name: str, dtype) -> None:
                         "float32 or float64")
 
 
-def _check_param(name: str, t) -> None:
+def check_param(name: str, t) -> None:
     """Refuse what torch would refuse, and what a hook cannot process, before any backward runs."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")

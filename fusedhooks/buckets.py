@@ -103,7 +103,7 @@ def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch
             hook.process(entry, grad, p, backward_key)
         return
     if hook.scalars:
-        hook._body.check_scalars()
+        hook.check_scalars()
     uses_param = plan.graph.uses_param
     is_cuda, index = device.type == "cuda", items[0][1].get_device()  # compared without building torch.devices
     entries, grads, params, numels = [], [], [], []
@@ -164,7 +164,7 @@ class Buckets:
         """The torch hook of a bucketed tensor, `hook(param)`. Processed now, at its own firing, when the gradient
         must be final before anything else runs (a post-accumulate hook registered after ours on the tensor), when
         autograd records the body (a backward with create_graph=True), outside a backward, for a sharded
-        (FSDP2) gradient, in a process group of several ranks (see GradHook._check_distributed), and while
+        (FSDP2) gradient, in a process group of several ranks (see GradHook.check_distributed), and while
         torch.compile traces it (one `fusedhooks::fire` op, see `ops`)."""
         hook = self._hook()  # held by the torch hook, as the GradHook's own methods hold it
         fire_compiling = self._fire_compiling
@@ -174,7 +174,7 @@ class Buckets:
             if _is_compiling():  # processed at its own firing by one fusedhooks::fire op (see ops)
                 fire_compiling(hook, param)
                 return
-            if hook._paused:
+            if hook.is_paused:
                 return
             grad = param.grad
             if grad is None:
@@ -217,8 +217,8 @@ class Buckets:
             return None
         if entry.sharded is None:
             entry.sharded = is_dtensor(grad)
-        if not hook._distributed_checked and not entry.sharded:
-            hook._check_distributed(entry, backward_key)
+        if not entry.sharded:
+            hook.check_distributed(entry, backward_key)
         if (backward_key < 0 or grad.requires_grad or torch.is_grad_enabled() or entry.has_later_hooks(param)
                 or self.at_firing
                 or entry.sharded):

@@ -81,8 +81,8 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
         raise ValueError("register(ddp_model) does not support DistributedDataParallel(static_graph=True) yet: on its "
                          "first iteration DDP reduces every bucket after backward, past the point where fusedhooks "
                          "processes them; use static_graph=False")
-    pairs = [(n, p) for n, p in hook._targets(ddp.module, name) if p.requires_grad]
-    hook._check_targets(pairs)
+    pairs = [(n, p) for n, p in hook.named_targets(ddp.module, name) if p.requires_grad]
+    hook.check_targets(pairs)
     ignored_names = set(getattr(ddp, "parameters_to_ignore", ()) or ())
     ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ignored_names}
     local = [(n, p) for n, p in pairs if id(p) in ignored]  # DDP neither averages them nor passes them to its hook
@@ -90,7 +90,7 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
     entries, added = {}, []
     try:
         for pname, p in pairs:
-            entry = hook._add(pname, p)
+            entry = hook.add_tensor(pname, p)
             added.append(entry)
             entry.checked_shape = p.shape
             entry.averaged = True
@@ -123,7 +123,7 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
             return model is None or model.require_backward_grad_sync
 
         try:
-            hook._register_pairs(local, 0, handle, ddp_ignored=True, when=synchronising)
+            hook.register_pairs(local, 0, handle, ddp_ignored=True, when=synchronising)
         except BaseException:
             handle.remove()
             raise
@@ -155,7 +155,7 @@ def _comm_hook(state, bucket):  # no annotations: DDP checks them, and `from __f
 
     fut = allreduce_hook(state.process_group, bucket)
     hook = state.hook()
-    if hook is None or not state.active or hook._paused:
+    if hook is None or not state.active or hook.is_paused:
         return fut
     buffer = bucket.buffer()
     params = bucket.parameters()
@@ -360,8 +360,8 @@ class ShardStats:
         """Process this rank's shard of `grad` (a DTensor) in place; record its partials for the merge."""
         hook = self._hook()
         if entry.checked_shape != grad.shape:
-            hook._check_sharded(entry.name, param)
-            hook._check_shape(entry.name, grad)
+            hook.check_sharded(entry.name, param)
+            hook.check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
         group = shard_group(entry.name, param)
         local, local_param = grad._local_tensor, param._local_tensor
@@ -371,7 +371,7 @@ class ShardStats:
         if compiled.plan.slots:
             partial_row = self._partial_row(entry.row, local.device)
         if hook.scalars:
-            hook._body.check_scalars()
+            hook.check_scalars()
         runtime.fire(compiled.plan, compiled.kernel, local, local_param, hook.scalars, partial_row,
                      hook.workspace(local.device))
         entry.record(local)
@@ -485,8 +485,8 @@ class _FollowParameters:
         now = {id(t) for t in handle.tensors}
         if {id(t) for _, t in pairs} != now:
             handle.untrack()
-            hook._check_targets(pairs)
-            hook._register_pairs(pairs, self.bucket_bytes, handle)
+            hook.check_targets(pairs)
+            hook.register_pairs(pairs, self.bucket_bytes, handle)
         self.seen = fingerprint  # only once followed: a refusal is raised again at every forward, never silent
 
     def _replaced_around(self, mod: torch.nn.Module) -> bool:
