@@ -9,7 +9,7 @@ import math
 import torch
 
 from . import gates, runtime
-from .api import GradHook, RegistrationHandle, _check_param, named_tensors
+from .api import GradHook, RegistrationHandle, check_param, named_tensors, run_outside_graph
 from .stats import ParamStats, ScalarSelection, StatsReading
 
 
@@ -75,7 +75,7 @@ class AdaptiveClip:
         pairs = list(named_tensors(target, name, lambda taken: f"param{len(self._hooks) + len(taken)}"))
         names = set()
         for pname, t in pairs:
-            _check_param(pname, t)
+            check_param(pname, t)
             if pname in self._hooks or pname in names:
                 raise ValueError(f"{pname!r} is already registered with this adaptive clip; pass a different name=")
             names.add(pname)
@@ -85,13 +85,13 @@ class AdaptiveClip:
                 state = torch.tensor([math.inf, 0.0], dtype=torch.float32, device=t.device)
                 hook = GradHook(_adagc_body(state, self.ratio, self.max_norm, self.warmup_steps), stats=("norm",),
                                 input_stats=("norm",), backend=self.backend)
-                handle._extend(hook.register(t, name=pname, when=gate))
+                handle.extend(hook.register(t, name=pname, when=gate))
                 self._hooks[pname], self._states[pname] = hook, state
-                handle._on_remove.append(functools.partial(self._forget, pname, hook))
+                handle.on_remove(functools.partial(self._forget, pname, hook))
                 update = self._update(pname, hook, state)
                 if gate is not None:  # the registration's gate: the same decision as the hook's in each backward
-                    update = gates.gated(update, gate, lambda hook=hook: hook._paused)
-                handle._add(t, t.register_post_accumulate_grad_hook(update))
+                    update = gates.gated(update, gate, run_outside_graph, lambda hook=hook: hook.is_paused)
+                handle.add(t, t.register_post_accumulate_grad_hook(update))
         except BaseException:
             handle.remove()
             raise
@@ -111,7 +111,7 @@ class AdaptiveClip:
         row = len(hook.stats.names) - 1  # hook is registered on this one tensor
 
         def update(param: torch.Tensor) -> None:
-            if param.grad is None or hook._paused:
+            if param.grad is None or hook.is_paused:
                 return
             clipped = hook.stats.tensor[row, slot].to(torch.float32)
             gamma, step = state[0], state[1]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import math
 import threading
 import warnings
@@ -15,24 +14,51 @@ from dataclasses import dataclass
 import torch
 from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every firing
 
-from . import amp, codegen, config, dims, distributed, eager, gates, runtime
+from . import amp, codegen, config, dims, distributed, eager, gates, optable, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
-from .registry import Entry, Registry
+from .registry import Entry, RegistrationHandle, Registry
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
 
-# every hook by a process-unique int: what a firing under torch.compile names it by (see ops.py)
-HOOKS: weakref.WeakValueDictionary[int, GradHook] = weakref.WeakValueDictionary()
-_hook_keys = itertools.count(1)
-
 
 def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
-    """A firing while torch.compile traces the hook (compiled autograd): one fusedhooks::fire op."""
+    """What a hook does when called while torch.compile traces it (compiled autograd): one call of
+    fusedhooks::fire (see ops.py), for each gradient at its own firing (a hook registered with bucket_mb= too:
+    see docs/compile.md)."""
     from . import ops
 
-    ops.fire_compiling(hook, param)
+    grad = param.grad
+    if grad is None:
+        return
+    if hook.records(grad, param):  # backward(create_graph=True): the body must run as ops autograd records
+        ops.outside_graph(hook._fire_unless_paused, param)
+        return
+    stats = hook.stats.buffer if hook.stats.slot_names else None
+    found_inf = hook._found_inf.get(grad.device) if hook.scaler is not None else None
+    torch.ops.fusedhooks.fire(grad, param, stats, found_inf, list(hook._body.scalars), hook.op_key)
+
+
+def _fire_in_op(hook: GradHook, param: torch.Tensor, grad: torch.Tensor
+                ) -> tuple[torch.Tensor | None, dict[torch.device, torch.Tensor]] | None:
+    """The implementation of fusedhooks::fire (ops.py): fire `hook` on `grad`, `param`'s gradient, unless it is
+    paused (None); else the tensors the firing writes: (the statistics buffer, found_inf by device)."""
+    if hook.is_paused:
+        return None
+    hook.fire(param, hook.registry.get(param), grad=grad)
+    return hook.stats.buffer, hook._found_inf
+
+
+def run_outside_graph(fn, *args) -> None:
+    """`fn(*args)` outside the graph torch.compile traces (`ops.outside_graph`, imported when first needed): how
+    the gates of `register(..., accumulation_steps=, when=)` run under compile (see `gates.gated`)."""
+    from . import ops
+
+    ops.outside_graph(fn, *args)
+
+
+optable.implement("fire", _fire_in_op)
 
 
 #: the shape a body is first lowered for, at decoration
@@ -133,7 +159,8 @@ class GradHook:
         self._found_inf_holder: dict[torch.device, weakref.ref | None] = {}  # the running backward using it
         #: graph task id -> what its firings found for the scaler, held by its end-of-backward callback
         self._amp_backwards: weakref.WeakValueDictionary[int, amp.BackwardBooks] = weakref.WeakValueDictionary()
-        self._paused = False  # while any paused() block runs, in any thread
+        #: True while any paused() block runs, in any thread (read-only: set by paused())
+        self.is_paused = False
         self._pauses = 0
         self._state_lock = threading.Lock()  # the paused() count, the found_inf buffers
         if fn is not None and not callable(fn):
@@ -150,7 +177,7 @@ class GradHook:
             amp.install()    # not look current after it
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
         self.registry = Registry(self.stats)
-        self._buckets = Buckets(self)
+        self._buckets = Buckets(self, _fire_compiling)
         self._shards = distributed.ShardStats(self)
         self._distributed_checked = False
         self._distributed_seen = -1  # the backward in which no process group was running, last checked
@@ -162,8 +189,8 @@ class GradHook:
         self._workspaces: dict[tuple, runtime.Workspace] = {}
         self._registering = threading.RLock()  # registrations, at register() and at first firings
         self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
-        self._op_key = next(_hook_keys)
-        HOOKS[self._op_key] = self
+        #: what a traced call of a fusedhooks operator names this hook by (see ops.py, optable.py)
+        self.op_key = optable.add(self)
         if fn is not None:
             functools.update_wrapper(self, fn, updated=())
         else:
@@ -175,7 +202,7 @@ class GradHook:
         if isinstance(arg, torch.Tensor):
             if _is_compiling():
                 _fire_compiling(self, arg)
-            elif self._paused:
+            elif self.is_paused:
                 pass
             elif (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
                   and not (arg.grad is not None and arg.grad.requires_grad)):
@@ -219,7 +246,7 @@ class GradHook:
             self._shards.fire(entry, param, grad, backward_key)
             return
         if not self._distributed_checked:
-            self._check_distributed(entry, backward_key)
+            self.check_distributed(entry, backward_key)
         self.process(entry, grad, param, backward_key)
 
     def process(self, entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
@@ -235,7 +262,7 @@ class GradHook:
         else:
             compiled = self._compiled_for(grad)
         if entry.checked_shape != grad.shape:
-            self._check_shape(entry.name, grad)
+            self.check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
         if self._body.scalars:
             self._body.check_scalars()
@@ -290,12 +317,12 @@ class GradHook:
             entry.record(grad)
         return firing
 
-    def _check_distributed(self, entry: Entry, backward_key: int) -> None:
+    def check_distributed(self, entry: Entry, backward_key: int) -> None:
         """At the first firing on a gradient of this rank alone in a process group of several ranks: say once
         that the hook sees local gradients (under DDP, before they are averaged), and process end-of-backward
         buckets at each firing from now on, before DDP's reducer (which Python cannot see) reads them. Without
-        a process group, checked again at the next backward."""
-        if backward_key == self._distributed_seen or entry.ddp_ignored:
+        a process group, checked again at the next backward; once checked, nothing."""
+        if self._distributed_checked or backward_key == self._distributed_seen or entry.ddp_ignored:
             return
         world = distributed.world_size()
         if world is None:
@@ -317,6 +344,11 @@ class GradHook:
         """The 0-dim tensors the body closes over, in kernel-argument order (read at every firing)."""
         return self._body.scalars
 
+    def check_scalars(self) -> None:
+        """Refuse closed-over tensors the kernels cannot read as they are now (see TracedBody.check_scalars): before
+        each launch, when `scalars` is not empty."""
+        self._body.check_scalars()
+
     def amp_tensors(self, device: torch.device, backward_key: int, rows: list[int]) -> tuple[torch.Tensor,
                                                                                            torch.Tensor]:
         """(scale, found_inf) for a firing on the gradients of `rows` in the backward `backward_key`; when that
@@ -331,7 +363,7 @@ class GradHook:
         scaler = self.scaler
         state = scaler._per_optimizer_states[id(self.optimizer)]
         unscaled = state.get("fusedhooks_unscaled")
-        if unscaled and any((self._op_key, row) in unscaled for row in rows):
+        if unscaled and any((self.op_key, row) in unscaled for row in rows):
             raise RuntimeError(
                 f"fusedhooks: {self.__name__} (scaler=) already unscaled this gradient in an earlier backward since "
                 "the last scaler.update(), and this backward added scaled values to it: with gradient accumulation, "
@@ -354,9 +386,9 @@ class GradHook:
             found = state["found_inf_per_device"].get(device)
             if found is None:
                 found = self._found_inf_buffer(device, state)
-            amp.commit(state, {device: found}, {(self._op_key, row) for row in rows})
+            amp.commit(state, {device: found}, {(self.op_key, row) for row in rows})
             return scaler._scale, found
-        books.unscaled.update((self._op_key, row) for row in rows)
+        books.unscaled.update((self.op_key, row) for row in rows)
         found = books.found.get(device)
         if found is None:
             found = books.found[device] = self._found_inf_buffer(device, state, books)
@@ -389,7 +421,7 @@ class GradHook:
 
     # --- compiling --------------------------------------------------------------------------------
 
-    def _graph(self, dtype: torch.dtype, shape: tuple | None = None) -> Graph:
+    def graph(self, dtype: torch.dtype, shape: tuple | None = None) -> Graph:
         """The body lowered for gradients of `dtype` (and `shape`, for a body that reduces over dimensions)."""
         if not self.reduces_over_dims:
             shape = None
@@ -440,7 +472,7 @@ class GradHook:
             if s.device != device and not (device.type == "cpu" and s.device.type == "cpu"):
                 raise ValueError(f"{self.__name__}: closed-over tensor {i} is on {s.device} but the gradient is on "
                                  f"{device}; move it to {device} (the kernel reads it there, with no copy)")
-        graph = self._graph(dtype, shape)
+        graph = self.graph(dtype, shape)
         backend = self._backend_for(device, graph)
         stats, input_stats = self.stat_names, self.input_stat_names
         if shard:
@@ -478,12 +510,14 @@ class GradHook:
         key = (dtype, "autograd", tuple(shape) if self.reduces_over_dims else None)
         compiled = self._compiled.get(key)
         if compiled is None:
-            plan = make_plan(self._graph(dtype, shape), self.stat_names, self.input_stat_names, backend="reference",
+            plan = make_plan(self.graph(dtype, shape), self.stat_names, self.input_stat_names, backend="reference",
                              amp=self._amp, hist_range=self.hist_range)
             compiled = self._compiled[key] = Compiled(plan, None)
         return compiled
 
-    def _check_shape(self, name: str, t: torch.Tensor) -> None:
+    def check_shape(self, name: str, t: torch.Tensor) -> None:
+        """Refuse a gradient `t` (of the tensor `name`) the body does not fit: a reduction over dimensions it lacks,
+        a result that does not broadcast to its shape (CompileError)."""
         try:
             _, result_shape = lower(self._body_for(t.shape), t.dtype, tuple(t.shape))
         except CompileError as e:
@@ -565,22 +599,22 @@ class GradHook:
         handle = RegistrationHandle(self)
         handle.when = when
         with self._registering:  # against other threads' registrations, first firings included
-            pairs = list(self._targets(target, name))
+            pairs = list(self.named_targets(target, name))
             if not pairs:
                 raise ValueError(f"register() found no tensor to register in {type(target).__name__} {target!r:.80}: "
                                  "a module registers its parameters with requires_grad (none here: frozen, or none "
                                  "at all), an iterable its tensors")
             if isinstance(target, torch.nn.Module):
                 _check_dense_gradients(target, name)
-            self._check_targets(pairs)
+            self.check_targets(pairs)
             if torch.__future__.get_swap_module_params_on_conversion():
                 warnings.warn(SWAP_CONVERSION_WARNING, stacklevel=2)
-            self._register_pairs(pairs, bucket_bytes, handle)
+            self.register_pairs(pairs, bucket_bytes, handle)
         if isinstance(target, torch.nn.Module):
             distributed.follow_parameters(self, target, name, bucket_bytes, handle)
         return handle
 
-    def _check_targets(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    def check_targets(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         """Everything register() refuses, checked before anything is registered."""
         seen, names = set(), set()
         active = self.registry.names()
@@ -588,7 +622,7 @@ class GradHook:
         for pname, t in pairs:
             if not isinstance(pname, str) or not pname:
                 raise ValueError(f"a tensor's name takes a non-empty string (its key in stats.read()), not {pname!r}")
-            _check_param(pname, t)
+            check_param(pname, t)
             entry = self.registry.get(t)
             if entry is not None:
                 raise ValueError(f"{entry.name!r} is already registered with this hook (the same tensor)")
@@ -600,45 +634,43 @@ class GradHook:
             seen.add(id(t))
             names.add(pname)
             if distributed.is_dtensor(t):
-                self._check_sharded(pname, t)
-            self._check_shape(pname, t)
+                self.check_sharded(pname, t)
+            self.check_shape(pname, t)
             self.compiled(t.dtype, t.device, shape=t.shape)
             stats_device = self.stats.device or first_device
             if self.stats.slot_names and t.device != stats_device:
                 raise ValueError(f"{pname} is on {t.device} but this hook records statistics on "
                                  f"{stats_device}; register parameters of another device with another hook")
 
-    def _register_pairs(self, pairs: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+    def register_pairs(self, pairs: list[tuple[str, torch.Tensor]], bucket_bytes: int,
                         handle: RegistrationHandle, ddp_ignored: bool = False, when=None) -> None:
         """Register checked (name, tensor) pairs through torch's post-accumulate hooks, into `handle`; all or
         nothing. ddp_ignored: parameters a DDP model registered with the hook ignores (see Entry); when: their
         gate (default: the handle's)."""
         when = handle.when if when is None else when
-        added, before = [], len(handle._items)
+        added, before = [], handle.tracked
         try:
             for pname, t in pairs:
-                entry = self._add(pname, t)
+                entry = self.add_tensor(pname, t)
                 added.append(entry)
                 entry.checked_shape = t.shape  # checked above
                 entry.ddp_ignored = ddp_ignored
                 entry.bucket_bytes = bucket_bytes
                 fire = self._buckets.torch_hook(entry) if bucket_bytes else self._at_firing(entry)
                 if when is not None:
-                    fire = gates.gated(fire, when, lambda: self._paused)
+                    fire = gates.gated(fire, when, run_outside_graph, lambda: self.is_paused)
                 torch_handle = t.register_post_accumulate_grad_hook(fire)
                 entry.torch_hook_id = torch_handle.id
-                handle._add(t, torch_handle, self.registry)
+                handle.add(t, torch_handle, self.registry)
         except BaseException:
-            for _, torch_handle, _ in handle._items[before:]:
-                torch_handle.remove()
-            del handle._items[before:]
+            handle.untrack(before, forget=False)
             self.registry.discard(added)
             raise
 
-    def _check_sharded(self, name: str, t: torch.Tensor) -> None:
+    def check_sharded(self, name: str, t: torch.Tensor) -> None:
         """What a hook cannot do on an FSDP2-sharded (DTensor) parameter, refused with what to do instead."""
         distributed.shard_group(name, t)  # refuses placements other than one Shard(d) (+ Replicate)
-        graph = self._graph(t.dtype, t.shape)
+        graph = self.graph(t.dtype, t.shape)
         if graph.reductions():
             dim = distributed.shard_dim(t)
             along = "" if dim is None else f" along dim {dim}"
@@ -673,7 +705,7 @@ class GradHook:
         def fire(param: torch.Tensor) -> None:
             if _is_compiling():
                 _fire_compiling(self, param)
-            elif not self._paused:
+            elif not self.is_paused:
                 self.fire(param, entry if entry.ref() is param else None)
         return fire
 
@@ -735,15 +767,22 @@ class GradHook:
         for every thread, while any such block runs (blocks in several threads may overlap)."""
         with self._state_lock:
             self._pauses += 1
-            self._paused = True
+            self.is_paused = True
         try:
             yield self
         finally:
             with self._state_lock:
                 self._pauses -= 1
-                self._paused = self._pauses > 0
+                self.is_paused = self._pauses > 0
 
-    def _targets(self, target, name):
+    def _fire_unless_paused(self, param: torch.Tensor) -> None:
+        """The eager firing, run outside the graph torch.compile traces: for a gradient that requires grad
+        (backward(create_graph=True)), whose body runs as eager torch ops that autograd records."""
+        if not self.is_paused:
+            self.fire(param, self.registry.get(param))
+
+    def named_targets(self, target, name):
+        """(name, tensor) pairs of a register() target, unnamed tensors named "param<i>" (see named_tensors)."""
         return named_tensors(target, name, self._auto_name)
 
     def _auto_name(self, taken=()) -> str:
@@ -753,15 +792,16 @@ class GradHook:
             i += 1
         return f"param{i}"
 
-    def _add(self, name: str, t: torch.Tensor) -> Entry:
-        _check_param(name, t)
+    def add_tensor(self, name: str, t: torch.Tensor) -> Entry:
+        """Check `t` (check_param) and give it an entry and a statistics row under `name`; no torch hook."""
+        check_param(name, t)
         return self.registry.add(name, t)
 
     def _add_at_firing(self, t: torch.Tensor) -> Entry:
         """Register `t`, registered through torch directly (`t.register_post_accumulate_grad_hook(hook)`), at its
         first firing; threads firing on new tensors at once get one row each."""
         with self._registering:
-            return self.registry.get(t) or self._add(self._auto_name(), t)
+            return self.registry.get(t) or self.add_tensor(self._auto_name(), t)
 
     # --- introspection ----------------------------------------------------------------------------
 
@@ -775,7 +815,7 @@ class GradHook:
             numel = math.prod(shape)
         if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
             raise ValueError(f"plan(): numel= takes a whole number of elements >= 0, not {numel!r}")
-        graph = self._graph(dtype, shape)
+        graph = self.graph(dtype, shape)
         backend = self._backend_for(device, graph, warn=False)
         module = None
         if backend == "triton" and numel and config.tune_cache().exists():  # a tuned BLOCK applies
@@ -790,7 +830,7 @@ class GradHook:
         """The generated Triton source for gradients of `dtype` (and `shape`: needed by a body that reduces over
         dimensions)."""
         check_dtype("source()", dtype)
-        plan = make_plan(self._graph(dtype, shape), self.stat_names, self.input_stat_names, amp=self._amp,
+        plan = make_plan(self.graph(dtype, shape), self.stat_names, self.input_stat_names, amp=self._amp,
                          hist_range=self.hist_range)
         try:
             return codegen.generate(plan, device_type)
@@ -809,7 +849,7 @@ class GradHook:
 def named_tensors(target, name: str | None, auto_name):
     """(name, tensor) pairs of a register() target: a Tensor (`name`, or auto_name(())), an nn.Module (its
     parameters with requires_grad, `name` as a prefix) or an iterable of Tensors (auto_name(names so far))
-    and (name, Tensor) pairs. Not checked here (see _check_param)."""
+    and (name, Tensor) pairs. Not checked here (see check_param)."""
     if isinstance(target, torch.nn.Module):  # FSDP2's sharded parameters, also while it holds unsharded ones
         yield from distributed.current_parameters(target, name)
     elif isinstance(target, torch.Tensor):
@@ -859,7 +899,7 @@ def check_dtype(name: str, dtype) -> None:
                         "float32 or float64")
 
 
-def _check_param(name: str, t) -> None:
+def check_param(name: str, t) -> None:
     """Refuse what torch would refuse, and what a hook cannot process, before any backward runs."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
@@ -874,58 +914,6 @@ def _check_param(name: str, t) -> None:
     if not t.is_leaf:
         raise ValueError(f"{name}: is not a leaf tensor; gradient hooks fire on leaf tensors (parameters) "
                          "after their .grad is accumulated")
-
-
-class RegistrationHandle:
-    """What `register` returns: `remove()` stops the hook on those tensors; usable as a context manager."""
-
-    def __init__(self, hook):
-        self.hook = hook
-        self._items: list[tuple[weakref.ref, object, Registry | None]] = []
-        self._on_remove: list = []
-        self.when = None  # register()'s gate (accumulation_steps=, when=): None processes every firing
-
-    def _add(self, t: torch.Tensor, torch_handle, registry: Registry | None = None) -> None:
-        """Track a torch hook handle on `t`; `registry`: where `t` is registered, forgotten at remove()."""
-        self._items.append((weakref.ref(t), torch_handle, registry))
-
-    def _extend(self, other: RegistrationHandle) -> None:
-        """Take over everything `other` would remove."""
-        self._items += other._items
-        self._on_remove += other._on_remove
-        other._items, other._on_remove = [], []
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        seen, out = set(), []
-        for ref, _, _ in self._items:
-            t = ref()
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-        return out
-
-    def remove(self) -> None:
-        """Stop the hook on these tensors: later firings only (a gradient already waiting in an end-of-backward
-        bucket of the running backward is still processed)."""
-        for ref, torch_handle, registry in self._items:
-            torch_handle.remove()
-            t = ref()
-            if t is not None and registry is not None:
-                registry.remove(t)
-        for fn in self._on_remove:
-            fn()
-        self._items.clear()
-        self._on_remove.clear()
-
-    def __enter__(self) -> RegistrationHandle:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
 
 def grad_hook(fn=None, *, stats=(), input_stats=(), backend: str | None = None, scaler=None, optimizer=None,

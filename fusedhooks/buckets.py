@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.compiler import is_compiling as _is_compiling
 
-from . import distributed, runtime
-from .layout import flat_span
+from . import runtime
+from .layout import flat_span, is_dtensor
 from .registry import Entry, record_all
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch
             hook.process(entry, grad, p, backward_key)
         return
     if hook.scalars:
-        hook._body.check_scalars()
+        hook.check_scalars()
     uses_param = plan.graph.uses_param
     is_cuda, index = device.type == "cuda", items[0][1].get_device()  # compared without building torch.devices
     entries, grads, params, numels = [], [], [], []
@@ -141,8 +141,10 @@ def _dense(t: torch.Tensor) -> bool:
 class Buckets:
     """A hook's end-of-backward buckets: the PendingBackward of each backward now running."""
 
-    def __init__(self, hook: GradHook):
+    def __init__(self, hook: GradHook, fire_compiling):
         self._hook = weakref.ref(hook)
+        #: `fire_compiling(hook, param)`: a firing while torch.compile traces the hook (one fusedhooks::fire op)
+        self._fire_compiling = fire_compiling
         #: graph task id -> its pending state, held strongly only by the callback queued on that graph task
         self._running: weakref.WeakValueDictionary[int, PendingBackward] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
@@ -162,18 +164,17 @@ class Buckets:
         """The torch hook of a bucketed tensor, `hook(param)`. Processed now, at its own firing, when the gradient
         must be final before anything else runs (a post-accumulate hook registered after ours on the tensor), when
         autograd records the body (a backward with create_graph=True), outside a backward, for a sharded
-        (FSDP2) gradient, in a process group of several ranks (see GradHook._check_distributed), and while
+        (FSDP2) gradient, in a process group of several ranks (see GradHook.check_distributed), and while
         torch.compile traces it (one `fusedhooks::fire` op, see `ops`)."""
         hook = self._hook()  # held by the torch hook, as the GradHook's own methods hold it
+        fire_compiling = self._fire_compiling
         graph_task_id, grad_enabled = torch._C._current_graph_task_id, torch.is_grad_enabled
 
         def enqueue(param: torch.Tensor) -> None:
             if _is_compiling():  # processed at its own firing by one fusedhooks::fire op (see ops)
-                from .api import _fire_compiling
-
-                _fire_compiling(hook, param)
+                fire_compiling(hook, param)
                 return
-            if hook._paused:
+            if hook.is_paused:
                 return
             grad = param.grad
             if grad is None:
@@ -215,9 +216,9 @@ class Buckets:
         if hook is None:
             return None
         if entry.sharded is None:
-            entry.sharded = distributed.is_dtensor(grad)
-        if not hook._distributed_checked and not entry.sharded:
-            hook._check_distributed(entry, backward_key)
+            entry.sharded = is_dtensor(grad)
+        if not entry.sharded:
+            hook.check_distributed(entry, backward_key)
         if (backward_key < 0 or grad.requires_grad or torch.is_grad_enabled() or entry.has_later_hooks(param)
                 or self.at_firing
                 or entry.sharded):

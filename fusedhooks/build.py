@@ -96,7 +96,7 @@ def _plans(hook, dtype: torch.dtype):
     from . import distributed
     from .plan import make_plan
 
-    graph = hook._graph(dtype, DIMS_SHAPE if hook.reduces_over_dims else None)
+    graph = hook.graph(dtype, DIMS_SHAPE if hook.reduces_over_dims else None)
     yield "", make_plan(graph, hook.stat_names, hook.input_stat_names, hist_range=hook.hist_range)
     if hook.fn is not None and not graph.uses_param:
         yield "+amp", make_plan(graph, hook.stat_names, hook.input_stat_names, amp=True, hist_range=hook.hist_range)

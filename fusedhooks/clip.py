@@ -13,7 +13,7 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every call
 
-from . import distributed, fold, runtime
+from . import distributed, fold, optable, runtime
 from .api import GradHook
 from .registry import Entry, Measurement
 
@@ -122,10 +122,33 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
             raise RuntimeError("fh.clip_grad_norm_(..., optimizer=opt) with a fused optimizer folds the coefficient "
                                "into opt.grad_scale, which is not supported under torch.compile: call it outside the "
                                "compiled function, or pass optimizer=None to scale the gradients in place")
-        from . import ops
-
-        return ops.clip_compiling(hook, max_norm, norm_type, error_if_nonfinite, foreach)
+        return _clip_compiling(hook, max_norm, norm_type, error_if_nonfinite, foreach)
     return _clip_eager(hook, max_norm, norm_type, error_if_nonfinite, foreach, fold_into=fold_into)
+
+
+def _clip_compiling(hook: GradHook, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
+    """What `fh.clip_grad_norm_` does while torch.compile traces it: one call of fusedhooks::clip_grad_norm_ (see
+    ops.py) on the gradients it would clip. Outside the graph instead (graph breaks, the eager call): a sharded
+    (FSDP2) gradient, a norm_type that is not a Python number, and anything but a hook (eager's TypeError)."""
+    from . import ops
+
+    max_norm_tensor = max_norm if isinstance(max_norm, torch.Tensor) else None
+    if not (isinstance(hook, GradHook) and isinstance(norm_type, (int, float))
+            and (max_norm_tensor is not None or isinstance(max_norm, (int, float)))):
+        return ops.outside_graph(_clip, hook, max_norm, norm_type, error_if_nonfinite, foreach)
+    grads = []
+    for _, g in grads_of(hook):
+        if distributed.is_dtensor(g):
+            return ops.outside_graph(_clip, hook, max_norm, norm_type, error_if_nonfinite, foreach)
+        grads.append(g)
+    norm_type = float(norm_type)
+    if not grads:  # as eager: a float32 zero, nothing scaled
+        return torch.zeros((), device=hook.stats.device or "cpu")
+    stats = hook.stats.buffer if norm_type in _SOURCES else None
+    with torch.no_grad():
+        return torch.ops.fusedhooks.clip_grad_norm_(grads, stats, hook.op_key,
+                                                    0.0 if max_norm_tensor is not None else float(max_norm),
+                                                    norm_type, bool(error_if_nonfinite), foreach, max_norm_tensor)
 
 
 @torch.no_grad()
@@ -369,3 +392,6 @@ def _multi_tensor():
     from .kernels import multi_tensor
 
     return multi_tensor
+
+
+optable.implement("clip_grad_norm_", _clip)

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import math
-import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -21,13 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import runtime
+from .buckets import process_together
 from .ir import STAT_NAMES
-from .layout import flat_span
+from .layout import flat_span, is_dtensor
+from .registry import Entry, RegistrationHandle
 from .stats import HookStats
 
 if TYPE_CHECKING:
-    from .api import GradHook, RegistrationHandle
-    from .registry import Entry
+    from .api import GradHook
 
 
 class LocalGradientWarning(UserWarning):
@@ -52,15 +52,6 @@ def world_size() -> int | None:
     return dist.get_world_size()
 
 
-def is_dtensor(t) -> bool:
-    """Is `t` a DTensor (an FSDP2-sharded parameter or its gradient)? Imports nothing: no DTensor exists before
-    torch.distributed.tensor is imported."""
-    if type(t) is torch.Tensor:  # the common case, decided without a lookup
-        return False
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
 def is_ddp(target) -> bool:
     dist = _dist()
     return dist is not None and isinstance(target, torch.nn.parallel.DistributedDataParallel)
@@ -83,8 +74,6 @@ class _DDPState:
 def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> RegistrationHandle:
     """`hook.register(ddp_model)`: process the averaged gradients of `ddp_model.module`'s parameters (keyed by
     their names there, `name` a prefix) inside DDP's communication hook."""
-    from .api import RegistrationHandle
-
     if bucket_mb:
         raise ValueError("register(ddp_model) processes DDP's own buckets, one launch per pass each (their size is "
                          "DistributedDataParallel's bucket_cap_mb=); do not pass bucket_mb=")
@@ -92,8 +81,8 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
         raise ValueError("register(ddp_model) does not support DistributedDataParallel(static_graph=True) yet: on its "
                          "first iteration DDP reduces every bucket after backward, past the point where fusedhooks "
                          "processes them; use static_graph=False")
-    pairs = [(n, p) for n, p in hook._targets(ddp.module, name) if p.requires_grad]
-    hook._check_targets(pairs)
+    pairs = [(n, p) for n, p in hook.named_targets(ddp.module, name) if p.requires_grad]
+    hook.check_targets(pairs)
     ignored_names = set(getattr(ddp, "parameters_to_ignore", ()) or ())
     ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ignored_names}
     local = [(n, p) for n, p in pairs if id(p) in ignored]  # DDP neither averages them nor passes them to its hook
@@ -101,7 +90,7 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
     entries, added = {}, []
     try:
         for pname, p in pairs:
-            entry = hook._add(pname, p)
+            entry = hook.add_tensor(pname, p)
             added.append(entry)
             entry.checked_shape = p.shape
             entry.averaged = True
@@ -124,8 +113,8 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
         raise
     handle = RegistrationHandle(hook)
     for _, p in pairs:
-        handle._add(p, _NoTorchHook(), hook.registry)
-    handle._on_remove.append(lambda: setattr(state, "active", False))
+        handle.add(p, _NoTorchHook(), hook.registry)
+    handle.on_remove(lambda: setattr(state, "active", False))
     if local:  # processed at their own firing: their gradient is each rank's own, which is all DDP gives them
         ddp_ref = weakref.ref(ddp)
 
@@ -134,7 +123,7 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
             return model is None or model.require_backward_grad_sync
 
         try:
-            hook._register_pairs(local, 0, handle, ddp_ignored=True, when=synchronising)
+            hook.register_pairs(local, 0, handle, ddp_ignored=True, when=synchronising)
         except BaseException:
             handle.remove()
             raise
@@ -166,7 +155,7 @@ def _comm_hook(state, bucket):  # no annotations: DDP checks them, and `from __f
 
     fut = allreduce_hook(state.process_group, bucket)
     hook = state.hook()
-    if hook is None or not state.active or hook._paused:
+    if hook is None or not state.active or hook.is_paused:
         return fut
     buffer = bucket.buffer()
     params = bucket.parameters()
@@ -197,8 +186,6 @@ def _pending_for(running: weakref.WeakValueDictionary, lock: threading.Lock, bac
 
 def _process_bucket(hook: GradHook, fut: torch.futures.Future, items: list, backward_key: int) -> torch.Tensor:
     """Process the averaged flat bucket `fut` holds: one launch per pass for its parameters."""
-    from .buckets import process_together
-
     flat = fut.wait()
     if isinstance(flat, list):
         flat = flat[0]
@@ -373,8 +360,8 @@ class ShardStats:
         """Process this rank's shard of `grad` (a DTensor) in place; record its partials for the merge."""
         hook = self._hook()
         if entry.checked_shape != grad.shape:
-            hook._check_sharded(entry.name, param)
-            hook._check_shape(entry.name, grad)
+            hook.check_sharded(entry.name, param)
+            hook.check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
         group = shard_group(entry.name, param)
         local, local_param = grad._local_tensor, param._local_tensor
@@ -384,7 +371,7 @@ class ShardStats:
         if compiled.plan.slots:
             partial_row = self._partial_row(entry.row, local.device)
         if hook.scalars:
-            hook._body.check_scalars()
+            hook.check_scalars()
         runtime.fire(compiled.plan, compiled.kernel, local, local_param, hook.scalars, partial_row,
                      hook.workspace(local.device))
         entry.record(local)
@@ -497,23 +484,18 @@ class _FollowParameters:
         pairs = current_parameters(mod, self.prefix)
         now = {id(t) for t in handle.tensors}
         if {id(t) for _, t in pairs} != now:
-            for _, torch_handle, _ in handle._items:
-                torch_handle.remove()
-            for t in handle.tensors:
-                hook.registry.remove(t)
-            handle._items.clear()
-            hook._check_targets(pairs)
-            hook._register_pairs(pairs, self.bucket_bytes, handle)
+            handle.untrack()
+            hook.check_targets(pairs)
+            hook.register_pairs(pairs, self.bucket_bytes, handle)
         self.seen = fingerprint  # only once followed: a refusal is raised again at every forward, never silent
 
     def _replaced_around(self, mod: torch.nn.Module) -> bool:
         """Are the registered tensors no longer the module's parameters though no module of it was fully_shard'ed
         (its classes are as they were)? Checked on the first one (it is the module's first, unless replaced); one
         collected while the module still has parameters was replaced (the module held it)."""
-        items = self.handle._items
-        if not items:
+        if not self.handle.tracked:
             return False
-        first = items[0][0]()
+        first = self.handle.first_tensor
         if first is None:
             return next(mod.parameters(), None) is not None
         return not is_dtensor(first) and all(p is not first for p in mod.parameters())
@@ -536,4 +518,4 @@ def follow_parameters(hook: GradHook, module: torch.nn.Module, prefix: str | Non
     parameters (same names, rows cleared)."""
     check = _FollowParameters(hook, prefix, bucket_bytes, handle, _fingerprint(module))
     pre = module.register_forward_pre_hook(check)
-    handle._on_remove.append(pre.remove)
+    handle.on_remove(pre.remove)

@@ -122,9 +122,10 @@ def parse(accumulation_steps, when):
     return gate if gate.steps > 1 else None
 
 
-def gated(fire, when, paused=None):
+def gated(fire, when, outside_graph, paused=None):
     """The torch hook that calls `fire(param)` only when `when()` is true; while torch.compile traces it, both
-    run outside the graph (a graph break: `when` is Python state of the training loop, read at each backward).
+    run outside the graph, by `outside_graph(fn, *args)` (a graph break: `when` is Python state of the training
+    loop, read at each backward).
     While `paused()` (the hook's `paused()` block) `when` is not called: a paused backward is no micro-batch of
     `accumulation_steps=`, as the hook does not fire in it."""
     def run(param: torch.Tensor) -> None:
@@ -133,9 +134,7 @@ def gated(fire, when, paused=None):
 
     def hook(param: torch.Tensor) -> None:
         if torch.compiler.is_compiling():
-            from . import ops
-
-            ops.outside_graph(run, param)
+            outside_graph(run, param)
         else:
             run(param)
     return hook

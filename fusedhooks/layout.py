@@ -1,6 +1,8 @@
-"""Memory layouts: which tensors a kernel can process as one flat span of storage."""
+"""Memory layouts: which tensors a kernel can process as one flat span of storage, and which are sharded."""
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -20,3 +22,12 @@ def flat_span(t: torch.Tensor) -> torch.Tensor | None:
             return None
         expected *= size
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def is_dtensor(t) -> bool:
+    """Is `t` a DTensor (an FSDP2-sharded parameter or its gradient)? Imports nothing: no DTensor exists before
+    torch.distributed.tensor is imported."""
+    if type(t) is torch.Tensor:  # the common case, decided without a lookup
+        return False
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)

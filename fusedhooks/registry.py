@@ -1,4 +1,5 @@
-"""The tensors a hook fires on: their entries, statistics rows, and which gradient each row measured."""
+"""The tensors a hook fires on: their entries, statistics rows, which gradient each row measured, and the handles
+register() returns."""
 
 from __future__ import annotations
 
@@ -118,3 +119,75 @@ class Registry:
             t = e.ref()
             if t is not None and self._entries.get(id(t)) is e:
                 del self._entries[id(t)]
+
+
+class RegistrationHandle:
+    """What `register` returns: `remove()` stops the hook on those tensors; usable as a context manager."""
+
+    def __init__(self, hook):
+        self.hook = hook
+        self._items: list[tuple[weakref.ref, object, Registry | None]] = []
+        self._on_remove: list = []
+        self.when = None  # register()'s gate (accumulation_steps=, when=): None processes every firing
+
+    def add(self, t: torch.Tensor, torch_handle, registry: Registry | None = None) -> None:
+        """Track a torch hook handle on `t`; `registry`: where `t` is registered, forgotten at remove()."""
+        self._items.append((weakref.ref(t), torch_handle, registry))
+
+    def on_remove(self, fn) -> None:
+        """Call `fn()` at remove()."""
+        self._on_remove.append(fn)
+
+    def extend(self, other: RegistrationHandle) -> None:
+        """Take over everything `other` would remove."""
+        self._items += other._items
+        self._on_remove += other._on_remove
+        other._items, other._on_remove = [], []
+
+    @property
+    def tracked(self) -> int:
+        """How many torch hook handles it tracks (where `untrack(start=)` starts)."""
+        return len(self._items)
+
+    @property
+    def first_tensor(self) -> torch.Tensor | None:
+        """The tensor of the first handle tracked; None when it was collected, or when none is tracked."""
+        return self._items[0][0]() if self._items else None
+
+    def untrack(self, start: int = 0, forget: bool = True) -> None:
+        """Remove the torch hooks tracked from the `start`-th on and stop tracking them (the functions of
+        `on_remove` stay). forget: also forget their tensors in their registries (a failed registration's rollback
+        leaves that to its caller)."""
+        for ref, torch_handle, registry in self._items[start:]:
+            torch_handle.remove()
+            t = ref()
+            if forget and t is not None and registry is not None:
+                registry.remove(t)
+        del self._items[start:]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        seen, out = set(), []
+        for ref, _, _ in self._items:
+            t = ref()
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+        return out
+
+    def remove(self) -> None:
+        """Stop the hook on these tensors: later firings only (a gradient already waiting in an end-of-backward
+        bucket of the running backward is still processed)."""
+        self.untrack()
+        for fn in self._on_remove:
+            fn()
+        self._on_remove.clear()
+
+    def __enter__(self) -> RegistrationHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __len__(self) -> int:
+        return len(self.tensors)

@@ -132,33 +132,34 @@ class HookStats:
         self._growing = False
 
     @property
-    def _buffer(self) -> torch.Tensor | None:
+    def buffer(self) -> torch.Tensor | None:
+        """The [parameters, slots] float64 buffer, None before the first row (see `tensor`)."""
         return self._state[0]
 
     @property
     def tensor(self) -> torch.Tensor:
         """The raw [parameters, slots] float64 buffer on the parameters' device (no sync)."""
-        if self._buffer is None:
+        if self.buffer is None:
             return torch.empty(0, len(self.slot_names), dtype=torch.float64)
-        return self._buffer
+        return self.buffer
 
     @property
     def device(self) -> torch.device | None:
-        return None if self._buffer is None else self._buffer.device
+        return None if self.buffer is None else self.buffer.device
 
     def add_row(self, name: str, device: torch.device) -> int:
         """Append a row for a new parameter (at registration, never during a firing of another)."""
         if name in self.names:
             raise ValueError(f"a parameter named {name!r} is already registered with this hook; "
                              "pass a different name=")
-        if self._buffer is not None and self._buffer.device != device:
-            raise ValueError(f"this hook records statistics on {self._buffer.device}; a parameter on {device} "
+        if self.buffer is not None and self.buffer.device != device:
+            raise ValueError(f"this hook records statistics on {self.buffer.device}; a parameter on {device} "
                              "needs a hook of its own")
         row = torch.full((1, len(self.slot_names)), math.nan, dtype=torch.float64, device=device)
         with self._lock:  # a firing in another thread may be writing a row of the buffer now: see settle()
             self._growing = True
             try:
-                self._state = (row if self._buffer is None else torch.cat([self._buffer, row]), {})
+                self._state = (row if self.buffer is None else torch.cat([self.buffer, row]), {})
             finally:
                 self._growing = False
             self.names.append(name)
@@ -167,7 +168,7 @@ class HookStats:
 
     def clear_row(self, index: int) -> None:
         """Forget row `index` (its name is registered again, for another tensor)."""
-        self._buffer[index].fill_(math.nan)
+        self.buffer[index].fill_(math.nan)
         self._written[index] = 0
 
     def begin_firing(self, backward_key: int) -> None:
@@ -215,9 +216,9 @@ class HookStats:
         Each value is a ParamStats dict whose `fresh` attribute tells whether the most recent backward in
         which the hook fired wrote it; the result's `stale` lists those it did not."""
         out = StatsReading()
-        if self._buffer is None or not self.slot_names:
+        if self.buffer is None or not self.slot_names:
             return out
-        values = self._buffer.tolist()
+        values = self.buffer.tolist()
         for name, written, row in zip(self.names, self._written, values):
             if written:
                 entry = ParamStats()
@@ -265,14 +266,14 @@ class HookStats:
             raise KeyError(f"no histogram of {name!r} yet: the hook has not fired on it since it was registered "
                            "or since reset()")
         columns = [i for i, s in enumerate(self.slot_names) if s == key]
-        counts = self._buffer[row, columns[0]:columns[-1] + 1].cpu().to(torch.int64)
+        counts = self.buffer[row, columns[0]:columns[-1] + 1].cpu().to(torch.int64)
         lo, hi = self.hist_range
         return counts, 2.0 ** torch.arange(lo, hi + 1, dtype=torch.float64)
 
     def reset(self) -> None:
         """Forget every recorded value (no sync)."""
-        if self._buffer is not None:
-            self._buffer.fill_(math.nan)
+        if self.buffer is not None:
+            self.buffer.fill_(math.nan)
         self._written = [0] * len(self._written)
 
     def __repr__(self) -> str:

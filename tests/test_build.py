@@ -97,7 +97,7 @@ def test_generated_signatures_match_the_kernels(family, dtype):
     """SIGNATURES (what ahead-of-time builds compile with) lists every kernel's arguments, in order, and the launch
     spec (what the runtime binds arguments from) names the same arguments in the same order, and every kernel."""
     hook = build.families()[family]
-    graph = hook._graph(dtype, build.DIMS_SHAPE if hook.reduces_over_dims else None)
+    graph = hook.graph(dtype, build.DIMS_SHAPE if hook.reduces_over_dims else None)
     plan = make_plan(graph, hook.stat_names, hook.input_stat_names, hist_range=hook.hist_range)
     module = codegen.load(*codegen.generate_with_spec(plan, "cpu"))
     spec = module.SPEC

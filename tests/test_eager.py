@@ -36,7 +36,7 @@ def test_auto_is_eager_on_cpu_without_the_interpreter(monkeypatch):
 def test_a_chain_of_ops_runs_in_place_on_the_gradient():
     scale = torch.tensor(0.5)
     hook = fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0) * scale, backend="eager")
-    body = eager.compile_body(hook._graph(torch.float32))
+    body = eager.compile_body(hook.graph(torch.float32))
     assert "clamp_(" in body.source and "mul_(" in body.source and "eager(" not in body.source
     grad = torch.randn(1000) * 3
     expected = grad.clamp(-1.0, 1.0) * scale
@@ -203,7 +203,7 @@ def test_a_large_gradient_runs_the_eager_hooks_ops_whole_with_the_same_bits(cont
     scale = torch.tensor(0.75)
     hook = fh.grad_hook(lambda grad, param: grad.clamp(-1.0, 1.0) * scale + param * 1e-3, stats=("norm", "max"),
                         backend="eager")
-    source = eager.compile_body(hook._graph(torch.float32)).source
+    source = eager.compile_body(hook.graph(torch.float32)).source
     assert "for " not in source and source.count("clamp_(") == 1 and source.count("mul_(") == 1, source
     numel = (1 << 20) + 4099  # 4 MiB and a bit, odd
     param = torch.randn(numel // 3, 3)

@@ -127,7 +127,7 @@ def test_launches_follow_the_plan(monkeypatch):
 
 
 def test_reductions_of_param_and_grad_share_passes():
-    g = fh.grad_hook(lars_like)._graph(torch.float32)
+    g = fh.grad_hook(lars_like).graph(torch.float32)
     assert sorted(g.depth(n) for n in g.reductions()) == [1, 1]
 
 
