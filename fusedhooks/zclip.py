@@ -243,6 +243,10 @@ def _restore(optimizer: torch.optim.Optimizer, pending: _Skip) -> None:
         return
     if pending.previous is _MISSING:
         del optimizer.found_inf
+        if optimizer.__dict__.get("grad_scale", _MISSING) is None:
+            # a step post-hook that ran before this one (fold's) took our found_inf for GradScaler.step's, which
+            # deletes both attributes afterwards, and left grad_scale None for it; no GradScaler is stepping
+            del optimizer.grad_scale
     else:
         optimizer.found_inf = pending.previous
 
