@@ -161,11 +161,54 @@ def _clip(hook: GradHook, max_norm: float, norm_type: float, error_if_nonfinite:
     times the op's caller bumped the version of each live gradient before this call without writing it (the
     dispatcher does so once for an argument a custom op declares mutated). `fold_into`: a fused optimizer to fold the
     coefficient into instead of scaling the gradients."""
+    max_norm, norm_type = float(max_norm), float(norm_type)
+
+    def coefficient(total_norm: torch.Tensor) -> torch.Tensor:
+        if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`")
+        return clip_coefficient(total_norm, max_norm)
+
+    # with max_norm=inf the coefficient is 1, or NaN when the total norm is not finite: the gradients are then
+    # exactly their measured values times it, so a later call needs no re-read
+    return _scale_by_total_norm(hook, coefficient, norm_type, foreach, given, bumps, fold_into,
+                                exact_coef=max_norm == math.inf, fold_sharded=False)
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ coefficient, min(max_norm / (total_norm + 1e-6), 1), in total_norm's dtype, on the
+    device."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def scale_by_total_norm_(hook: GradHook, coefficient, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    """Multiply every gradient `hook` is registered on by `coefficient(total_norm)`, as `clip_grad_norm_` does with
+    its own coefficient: the total 2-norm (0-dim, in the gradients' promoted dtype, on the statistics' device) comes
+    from the norms the hook recorded (on one device, DDP or FSDP2: the whole model's), `coefficient` maps it to a
+    0-dim float tensor on the same device with torch ops (no host sync), and the gradients are scaled in place by
+    one multi-tensor pass per (device, dtype), or, with a fused optimizer (`fold.folds_into`) and unsharded
+    gradients, the coefficient is folded into its `grad_scale` for its next step (no pass). Returns the total
+    norm; with no gradient a float32 zero, and `coefficient` is not called."""
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer= takes a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    fold_into = optimizer if optimizer is not None and fold.folds_into(optimizer) else None
+    return _scale_by_total_norm_eager(hook, coefficient, 2.0, None, fold_into=fold_into, fold_sharded=True)
+
+
+@torch.no_grad()
+def _scale_by_total_norm(hook: GradHook, coefficient, norm_type: float, foreach: bool | None,
+                         given: list[torch.Tensor] | None = None, bumps: int = 0,
+                         fold_into: torch.optim.Optimizer | None = None, exact_coef: bool = False,
+                         fold_sharded: bool = False) -> torch.Tensor:
+    """The total norm of `hook`'s gradients and the scaling by `coefficient(total_norm)` that _clip and
+    scale_by_total_norm_ share (arguments as theirs). exact_coef: the coefficient is 1 or NaN, so each gradient stays
+    described by its recorded norm times it. fold_sharded: with sharded (FSDP2) gradients and `fold_into`, scale
+    them in place instead of refusing."""
     if not isinstance(hook, GradHook):
         raise TypeError(f"clip_grad_norm_ takes the fusedhooks hook whose statistics give the norms (e.g. "
                         f"fh.grad_hook(stats=('norm',))), not {type(hook).__name__}")
-    max_norm = float(max_norm)
-    norm_type = float(norm_type)
     slot, transform = _norm_slot(hook, norm_type)
     grads, entries, key = _collect(hook)
     copies = given is not None and _are_copies(given, grads)
@@ -202,23 +245,16 @@ def _clip(hook: GradHook, max_norm: float, norm_type: float, error_if_nonfinite:
                  .to(layout.first_device) for g in layout.groups]
     total_norm = torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), norm_type)
 
-    if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-            "`error_if_nonfinite=False`")
-
-    clip_coef = max_norm / (total_norm + 1e-6)
-    clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
+    clip_coef_clamped = coefficient(total_norm)
+    if fold_into is not None and layout.key[-1] and fold_sharded:
+        fold_into = None
     if fold_into is not None:
         if layout.key[-1]:
             raise ValueError("clip_grad_norm_(optimizer=...) does not fold into the step of sharded (FSDP2) "
                              "parameters: pass optimizer=None to scale the gradients in place")
         fold.fold(fold_into, clip_coef_clamped, [e.tensor for e in entries], grads)
         return total_norm
-    # with max_norm=inf the coefficient is 1, or NaN when the total norm is not finite: the gradients are then
-    # exactly their measured values times it, so a later call needs no re-read
-    exact_coef = max_norm == math.inf and not copies  # a copy's version is not the gradient's
+    exact_coef = exact_coef and not copies  # a copy's version is not the gradient's
     for g in layout.groups:
         coef = clip_coef_clamped.to(g.device)
         group_grads = [grads[i] for i in g.members]
@@ -244,6 +280,13 @@ def _clip(hook: GradHook, max_norm: float, norm_type: float, error_if_nonfinite:
                                              clip_coef_clamped if entry.measured.coef is None
                                              else entry.measured.coef * clip_coef_clamped)
     return total_norm
+
+
+def _scale_by_total_norm_eager(*args, **kwargs) -> torch.Tensor:
+    """`_scale_by_total_norm(*args)`, never traced by torch.compile (see _clip_eager)."""
+    global _scale_by_total_norm_eager
+    _scale_by_total_norm_eager = torch.compiler.disable(_scale_by_total_norm)
+    return _scale_by_total_norm_eager(*args, **kwargs)
 
 
 def _clip_eager(*args, **kwargs) -> torch.Tensor:

@@ -508,3 +508,51 @@ def ddp_registrations(rank: int, world: int, device) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         local = q.grad if name in ignored else _averaged(q.grad, world)
         assert torch.allclose(p.grad, local * 0.5, rtol=1e-6, atol=1e-8), f"no_sync: {name}"
+
+
+def zclip_distributed(rank: int, world: int, device) -> None:
+    """fh.zclip on a DDP and an FSDP2 model: the total norm is the whole model's (of the averaged gradients), spikes
+    and the clipped gradients (this rank's shards) follow ZClip's published rule applied to the averaged gradients of
+    an unwrapped copy, and the state is the same on every rank."""
+    from test_zclip import PublishedZClip
+    from torch.distributed.fsdp import fully_shard
+
+    import fusedhooks as fh
+
+    for kind in ("ddp", "fsdp2"):
+        base = _fsdp_mlp(device)
+        ref, model = copy.deepcopy(base), copy.deepcopy(base)
+        if kind == "ddp":
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            fully_shard(model[0])
+            fully_shard(model)
+            wrapped = model
+        hook = fh.grad_hook(stats=("norm",))
+        hook.register(wrapped)
+        guard = fh.zclip(hook, warmup_steps=3)
+        published = PublishedZClip(warmup_steps=3, max_grad_norm=None)
+        for step in range(7):
+            x = _batch(rank, step, 0, 5, device)
+            scale = 50.0 if step == 5 else 1.0
+            (_loss(wrapped, x) * scale).backward()
+            (_loss(ref, x) * scale).backward()
+            ref_params = [q.detach().clone().requires_grad_() for q in ref.parameters()]
+            for rp, q in zip(ref_params, ref.parameters()):
+                rp.grad = _averaged(q.grad, world)
+            ref_total, clip_val = published.step(ref_params)
+            total = guard.step()
+            assert abs(total.item() - ref_total) <= 1e-5 * ref_total, (kind, step, total, ref_total)
+            assert guard.spike.item() == (clip_val is not None), (kind, step)
+            assert step != 5 or clip_val is not None, "the injected spike is caught"
+            for p, rp in zip(model.parameters(), ref_params):
+                local = p.grad.to_local() if kind == "fsdp2" else p.grad
+                expected = _shard(rp.grad, rank, world) if kind == "fsdp2" else rp.grad
+                assert torch.allclose(local, expected, rtol=1e-4, atol=1e-7), (kind, step)
+            state = torch.stack([guard.mean, guard.var, guard.count.double()])
+            gathered = [torch.empty_like(state) for _ in range(world)]
+            dist.all_gather(gathered, state)
+            assert all(torch.equal(g, state) or (g.isnan() == state.isnan()).all() and
+                       torch.equal(g.nan_to_num(), state.nan_to_num()) for g in gathered), "state differs by rank"
+            wrapped.zero_grad()
+            ref.zero_grad()

@@ -54,6 +54,12 @@ def test_fsdp2(world):
     spawn(dist_workers.fsdp, world)
 
 
+@pytest.mark.slow
+def test_zclip_ddp_fsdp2():
+    """fh.zclip on DDP and FSDP2 (gloo, 2 ranks): ZClip's rule on the averaged gradients, one state on every rank."""
+    spawn(dist_workers.zclip_distributed, 2)
+
+
 gpus = pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 GPUs")
 
 

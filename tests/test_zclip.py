@@ -1,0 +1,455 @@
+"""fh.zclip: ZClip's spike guard on the device, against a float64 re-implementation of its published rule."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusedhooks as fh
+
+from helpers import FUSED_OPTIMIZERS, assert_close_to, optimizer_state, torch_fp32_norm_rtol
+
+STEPS, WARMUP = 40, 10
+SPIKES = (15, 22, 23, 31)  # the loss is multiplied by 50 there (after the warm-up)
+DATA_SEED = 5  # batches whose norms have no natural z-score spike (with seed 1, step 13 is one, flagged by both)
+SIZES = ((7, 13), (5, 7))  # Linear(13, 7) -> Linear(7, 5): odd sizes
+
+
+class PublishedZClip:
+    """ZClip's rule as published (github.com/bluorion-com/ZClip, zclip/zclip.py at e42cdd1), line by line, in
+    Python floats (float64), on a list of parameters instead of a model; the total norm is computed in float64. The
+    one addition, fusedhooks' documented deviation, is marked: a non-finite norm is left out of the warm-up and a
+    non-finite EMA input leaves the EMA alone."""
+
+    def __init__(self, alpha=0.97, z_thresh=2.5, max_grad_norm=1.0, eps=1e-6, warmup_steps=25, mode="zscore",
+                 clip_option="adaptive_scaling", clip_factor=1.0, skip_update_on_spike=False):
+        self.alpha, self.z_thresh, self.max_grad_norm, self.eps = alpha, z_thresh, max_grad_norm, eps
+        self.warmup_steps, self.mode, self.clip_factor = warmup_steps, mode, clip_factor
+        self.skip_update_on_spike = skip_update_on_spike
+        self.clip_option = clip_option if mode == "zscore" else None
+        self.buffer, self.initialized, self.mean, self.var = [], False, None, None
+        self.last_z = None  # for the test's conditioning check
+
+    def _initialize_ema(self):
+        self.mean = sum(self.buffer) / len(self.buffer)
+        self.var = sum((x - self.mean) ** 2 for x in self.buffer) / len(self.buffer)
+        self.initialized = True
+        self.buffer = []
+
+    def _update_ema(self, grad_norm):
+        if not math.isfinite(grad_norm):  # fusedhooks' deviation
+            return
+        self.mean = self.alpha * self.mean + (1 - self.alpha) * grad_norm
+        self.var = self.alpha * self.var + (1 - self.alpha) * (grad_norm - self.mean) ** 2
+
+    def _compute_positive_zscore(self, grad_norm):
+        std = self.var ** 0.5
+        z = (grad_norm - self.mean) / (std + self.eps)
+        return z, std
+
+    @staticmethod
+    def _compute_grad_norm(params):
+        grad_norms = [p.grad.double().norm(2) for p in params if p.grad is not None]
+        return torch.sqrt(torch.sum(torch.pow(torch.stack(grad_norms), 2))).item()
+
+    def _compute_clip_val(self, grad_norm):
+        std = self.var ** 0.5
+        if self.mode == "percentile":
+            threshold = self.mean + self.z_thresh * std
+            self.last_z = (grad_norm - self.mean) / std
+            if grad_norm > threshold:
+                return threshold
+        elif self.mode == "zscore":
+            z, std = self._compute_positive_zscore(grad_norm)
+            self.last_z = z
+            if z > self.z_thresh:
+                if self.clip_option == "adaptive_scaling":
+                    eta = z / self.z_thresh
+                    threshold = self.mean + (self.z_thresh * std) / eta
+                    threshold = threshold * self.clip_factor
+                elif self.clip_option == "mean":
+                    threshold = self.mean
+                return threshold
+        return None
+
+    @staticmethod
+    def apply_in_place_clipping(params, global_norm, max_global_norm):
+        clip_coef = (max_global_norm / (global_norm + 1e-6)) if global_norm > max_global_norm else 1.0
+        if clip_coef < 1.0:
+            for param in params:
+                if param.grad is not None:
+                    param.grad.data.mul_(clip_coef)
+
+    def _apply_clipping(self, params, clip_val, total_norm):
+        adaptive_clip = clip_val if clip_val is not None else total_norm
+        if self.max_grad_norm is not None:
+            effective_clip = min(adaptive_clip, self.max_grad_norm)
+        else:
+            effective_clip = adaptive_clip
+        self.apply_in_place_clipping(params, total_norm, effective_clip)
+        return effective_clip
+
+    def step(self, params):
+        """Returns (total norm, the clip value: None when no spike or in the warm-up)."""
+        total_norm = self._compute_grad_norm(params)
+        if not self.initialized:
+            if math.isfinite(total_norm):  # fusedhooks' deviation
+                self.buffer.append(total_norm)
+            if len(self.buffer) >= max(self.warmup_steps, 1):  # ZClip: >= warmup_steps, after one append at least
+                self._initialize_ema()
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            return total_norm, None
+        clip_val = self._compute_clip_val(total_norm)
+        self._apply_clipping(params, clip_val, total_norm)
+        if clip_val is not None and self.skip_update_on_spike:
+            return total_norm, clip_val
+        self._update_ema(clip_val if clip_val is not None else total_norm)
+        return total_norm, clip_val
+
+
+def unit_roundoff(dtype):
+    return torch.finfo(dtype).eps / 2
+
+
+def total_norm_rtol(dtype, n_params):
+    """fusedhooks' total norm against the float64 one: each recorded norm rounded to the dtype (u), the total computed
+    from them in float32 (torch's bound) and rounded to the dtype (u)."""
+    return 2 * unit_roundoff(dtype) + torch_fp32_norm_rtol([1] * n_params)
+
+
+def coef_rtol(ref, total, clip_val, e, max_total, u):
+    """Bound on the relative error of the coefficient limit / (total + 1e-6): e relative on the total, e * max_total
+    on the EMA mean and 4 e max_total^2 on the variance (each EMA input is a total or a threshold within e * max_total,
+    and d(v - m)^2 <= 2 |v - m| d(v - m)), carried through the threshold's formula; plus two roundings of the
+    product."""
+    if clip_val is None or (ref.max_grad_norm is not None and ref.max_grad_norm < clip_val):
+        return e + 2 * u
+    dm, dv = e * max_total, 4 * e * max_total ** 2
+    std, gap = ref.var ** 0.5, total - ref.mean
+    if ref.mode == "percentile":
+        d_threshold = dm + ref.z_thresh * dv / (2 * std)
+    elif ref.clip_option == "mean":
+        d_threshold = dm
+    else:  # (m + z_thresh^2 std (std + eps) / (total - m)) * clip_factor
+        d_threshold = ref.clip_factor * (dm + ref.z_thresh ** 2 * (dv / gap + (std * std + 1e-6) * (e * total + dm)
+                                                                     / gap ** 2))
+    return d_threshold / clip_val + e + 2 * u
+
+
+def make_model(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5)).to(dtype)
+
+
+def backward(model, dtype, step, gen, spikes=SPIKES):
+    x, y = torch.randn(11, 13, generator=gen).to(dtype), torch.randn(11, 5, generator=gen).to(dtype)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    (loss * 50 if step in spikes else loss).backward()
+
+
+def guard_state(guard):
+    return guard.mean.item(), guard.var.item()
+
+
+def run_against_reference(dtype, options, backend=None, spikes=SPIKES):
+    """STEPS steps with fh.zclip; at each step the reference applies the published rule to a copy of the same
+    gradients, and the total norm, spike, EMA state and clipped gradients are compared. Returns the spike steps."""
+    model = make_model(dtype)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.01)
+    hook = fh.grad_hook(stats=("norm",), backend=backend)
+    hook.register(model)
+    guard = fh.zclip(hook, warmup_steps=WARMUP, **options)
+    ref = PublishedZClip(warmup_steps=WARMUP, **{"max_grad_norm": None, **options})
+    e, u = total_norm_rtol(dtype, len(params)), unit_roundoff(dtype)
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    caught, max_total = [], 0.0
+    for step in range(STEPS):
+        opt.zero_grad()
+        backward(model, dtype, step, gen, spikes)
+        ref_params = [p.detach().clone().requires_grad_() for p in params]
+        for rp, p in zip(ref_params, params):
+            rp.grad = p.grad.clone()
+        warm = not ref.initialized
+        ref_total, clip_val = ref.step(ref_params)
+        max_total = max(max_total, ref_total)
+        total = guard.step(opt)
+        assert total.dim() == 0 and total.dtype == dtype
+        assert abs(total.item() - ref_total) <= e * ref_total, step
+        if not warm:  # the rule's decision must not hang on rounding for the comparison to mean anything
+            assert abs(ref.last_z - ref.z_thresh) > 1e-3, f"ill-conditioned test: z={ref.last_z} at step {step}"
+        assert guard.spike.item() == (clip_val is not None), step
+        if clip_val is not None:
+            caught.append(step)
+        if ref.initialized:
+            mean, var = guard_state(guard)
+            assert abs(mean - ref.mean) <= e * max_total, step
+            assert abs(var - ref.var) <= 4 * e * max_total ** 2, step
+        else:
+            assert math.isnan(guard.mean.item()) and math.isnan(guard.var.item())
+        if options.get("on_spike", "clip") == "clip":
+            rtol = coef_rtol(ref, ref_total, clip_val, e, max_total, u)
+            for p, rp in zip(params, ref_params):
+                assert_close_to(p.grad, rp.grad, rtol)
+        opt.step()
+    return caught
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("options", [
+    {},
+    {"clip_option": "mean"},
+    {"mode": "percentile"},
+    {"clip_factor": 0.7, "skip_update_on_spike": True},
+    {"max_grad_norm": 0.6, "z_thresh": 2.0},
+], ids=["adaptive_scaling", "mean", "percentile", "clip_factor-skip_update", "max_grad_norm"])
+def test_matches_published_rule(dtype, options):
+    spikes = run_against_reference(dtype, options)
+    assert tuple(spikes) == SPIKES  # the injected spikes, and only they, are caught after the warm-up
+
+
+@pytest.mark.parametrize("backend", ["reference", "eager"])
+def test_matches_published_rule_other_backends(backend):
+    assert tuple(run_against_reference(torch.float32, {}, backend=backend)) == SPIKES
+
+
+@pytest.mark.parametrize("options", [{}, {"max_grad_norm": 0.6}], ids=["no-max_grad_norm", "max_grad_norm"])
+def test_warmup_spike(options):
+    """A spike in the warm-up is recorded, not clipped (but for max_grad_norm, as torch's clip_grad_norm_ would), and
+    enters the mean and variance the EMA starts from, as in ZClip; the rule then compares later norms with them."""
+    caught = run_against_reference(torch.float32, options, spikes=(4, 15))
+    assert caught == [15]
+
+
+def test_warmup_zero_is_one_step():
+    """ZClip initializes its EMA after one norm when warmup_steps=0: the second step already uses the rule."""
+    model = make_model(torch.float32)
+    hook = fh.grad_hook(stats=("norm",))
+    hook.register(model)
+    guard = fh.zclip(hook, warmup_steps=0)
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    backward(model, torch.float32, 0, gen)
+    total = guard.step()
+    assert guard.count.item() == 1
+    assert guard.mean.item() == pytest.approx(total.item(), rel=1e-6) and guard.var.item() == 0.0
+
+
+def test_skip_on_spike_fused_optimizer():
+    """on_spike="skip" with a fused optimizer: exactly the injected steps after the warm-up leave the parameters and
+    the optimizer state as they were; every other step changes them; nothing is left on the optimizer."""
+    model = make_model(torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    hook = fh.grad_hook(stats=("norm",))
+    hook.register(model)
+    guard = fh.zclip(hook, warmup_steps=WARMUP, on_spike="skip")
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    skipped = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        backward(model, torch.float32, step, gen)
+        before = [p.detach().clone() for p in model.parameters()]
+        state_before = [t.clone() for t in optimizer_state(opt)]
+        guard.step(opt)
+        opt.step()
+        assert "found_inf" not in vars(opt) and "grad_scale" not in vars(opt)
+        unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        if unchanged:
+            skipped.append(step)
+            assert all(torch.equal(b, a) for b, a in zip(state_before, optimizer_state(opt)))
+        else:
+            assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert tuple(skipped) == SPIKES
+
+
+def test_skip_composes_with_grad_scaler():
+    """Under GradScaler.step (which sets its own found_inf) a spike still skips the step, and the scaler's books
+    (its scale) do not count it as an overflow."""
+    model = make_model(torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1000)
+    hook = fh.grad_hook(stats=("norm",), scaler=scaler, optimizer=opt)
+    hook.register(model)
+    guard = fh.zclip(hook, warmup_steps=3, on_spike="skip")
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    for step in range(6):
+        opt.zero_grad()
+        x, y = torch.randn(11, 13, generator=gen), torch.randn(11, 5, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), y) * (50.0 if step == 5 else 1.0)
+        scaler.scale(loss).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        guard.step(opt)
+        scaler.step(opt)
+        scaler.update()
+        unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        assert unchanged == (step == 5), step
+        assert scaler.get_scale() == 2.0 ** 4
+        assert "found_inf" not in vars(opt)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_fused_optimizer_folds_the_coefficient(name):
+    """guard.step(fused optimizer) folds the coefficient into grad_scale (the gradients are not rewritten before the
+    step) and the step equals the published rule's clipping followed by the same optimizer's step."""
+    make_optimizer = FUSED_OPTIMIZERS[name]
+    model = make_model(torch.float32)
+    opt = make_optimizer(model.parameters())
+    hook = fh.grad_hook(stats=("norm",))
+    hook.register(model)
+    guard = fh.zclip(hook, warmup_steps=WARMUP, max_grad_norm=0.6)
+    ref = PublishedZClip(warmup_steps=WARMUP, max_grad_norm=0.6)
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    e, u = total_norm_rtol(torch.float32, 4), unit_roundoff(torch.float32)
+    folded_clips = 0
+    for step in range(STEPS):
+        opt.zero_grad()
+        backward(model, torch.float32, step, gen)
+        ref_model = copy.deepcopy(model)
+        ref_params = list(ref_model.parameters())
+        for rp, p in zip(ref_params, model.parameters()):
+            rp.grad = p.grad.clone()
+        ref_opt = make_optimizer(ref_params)
+        ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        ref_total, clip_val = ref.step(ref_params)
+        grads = [p.grad.clone() for p in model.parameters()]
+        guard.step(opt)
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))  # no pass over them
+        folded_clips += not torch.equal(ref_params[0].grad, grads[0])
+        opt.step()
+        ref_opt.step()
+        assert "grad_scale" not in vars(opt)
+        rtol = coef_rtol(ref, ref_total, clip_val, e, ref_total, u) + 8 * u
+        for p, rp in zip(model.parameters(), ref_params):
+            assert_close_to(p.detach(), rp.detach(), rtol)
+    assert folded_clips >= len(SPIKES)  # the comparison covered clipped steps
+
+
+@pytest.mark.parametrize("optimizer", [None, "SGD", "AdamW-unfused"])
+def test_skip_refused_without_fused_optimizer(optimizer):
+    model = make_model(torch.float32)
+    opt = {None: None, "SGD": torch.optim.SGD(model.parameters(), lr=0.1),
+           "AdamW-unfused": torch.optim.AdamW(model.parameters())}[optimizer]
+    hook = fh.grad_hook(stats=("norm",))
+    hook.register(model)
+    guard = fh.zclip(hook, on_spike="skip")
+    backward(model, torch.float32, 0, torch.Generator().manual_seed(DATA_SEED))
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="fused=True.*on_spike='clip'"):
+        guard.step(opt)
+    assert guard.count.item() == 0  # refused before anything changed
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+class NoHostSync(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("host sync (.item(), bool() of a tensor)")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["SGD", "fused-skip", "percentile-max_grad_norm"])
+def test_no_host_sync(case):
+    """guard.step reads nothing back to the host, in the warm-up, at its end and afterwards, spikes included."""
+    model = make_model(torch.float32)
+    fused = case == "fused-skip"
+    opt = torch.optim.AdamW(model.parameters(), fused=True) if fused else torch.optim.SGD(model.parameters(), lr=0.01)
+    hook = fh.grad_hook(stats=("norm",))
+    hook.register(model)
+    options = {"on_spike": "skip"} if fused else {"mode": "percentile", "max_grad_norm": 0.5} if "max" in case else {}
+    guard = fh.zclip(hook, warmup_steps=3, **options)
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    with NoHostSync():  # the mode sees this call too: it raises if the check is not in force
+        with pytest.raises(AssertionError, match="host sync"):
+            torch.ones(()).item()
+    for step in range(6):
+        opt.zero_grad()
+        backward(model, torch.float32, step if step != 5 else SPIKES[1], gen)
+        with NoHostSync():
+            guard.step(opt)
+        opt.step()
+    assert guard.count.item() == 3
+
+
+def test_state_dict_round_trip():
+    """A guard loaded with another's state_dict continues exactly as that one does."""
+    models = [make_model(torch.float32) for _ in range(2)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    hooks = [fh.grad_hook(stats=("norm",)) for _ in range(2)]
+    for h, m in zip(hooks, models):
+        h.register(m)
+    guards = [fh.zclip(h, warmup_steps=WARMUP) for h in hooks]
+    gens = [torch.Generator().manual_seed(DATA_SEED) for _ in range(2)]
+    for step in range(STEPS):
+        if step == 17:  # after the warm-up, mid-run: the second guard is replaced by a fresh one loaded from the first
+            state = guards[0].state_dict()
+            guards[1] = fh.zclip(hooks[1], warmup_steps=WARMUP)
+            guards[1].load_state_dict(state)
+        elif step == 5:  # in the warm-up
+            fresh = fh.zclip(hooks[1], warmup_steps=WARMUP)
+            fresh.load_state_dict(guards[1].state_dict())
+            guards[1] = fresh
+        totals = []
+        for m, o, g, gen in zip(models, opts, guards, gens):
+            o.zero_grad()
+            backward(m, torch.float32, step, gen)
+            totals.append(g.step(o))
+            o.step()
+        assert torch.equal(totals[0], totals[1])
+        for name in ("count", "norms", "mean", "var", "spike"):
+            assert torch.equal(getattr(guards[0], name), getattr(guards[1], name)) or (
+                name in ("mean", "var") and getattr(guards[0], name).isnan() and getattr(guards[1], name).isnan())
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        fh.zclip(hooks[1], warmup_steps=WARMUP + 1).load_state_dict(guards[0].state_dict())
+
+
+def test_non_finite_norm_leaves_state():
+    """An overflow (inf loss: NaN/inf gradients) neither enters the warm-up nor moves the EMA (fusedhooks'
+    documented deviation from ZClip's code, which would make its EMA NaN for good)."""
+    model = make_model(torch.float32)
+    hook = fh.grad_hook(stats=("norm",))
+    hook.register(model)
+    guard = fh.zclip(hook, warmup_steps=3)
+    ref = PublishedZClip(warmup_steps=3, max_grad_norm=None)
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    for step in range(8):
+        model.zero_grad()
+        x, y = torch.randn(11, 13, generator=gen), torch.randn(11, 5, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), y) * (math.inf if step in (1, 5) else 1.0)
+        loss.backward()
+        ref_params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        for rp, p in zip(ref_params, model.parameters()):
+            rp.grad = p.grad.clone()
+        ref_total, _ = ref.step(ref_params)
+        total = guard.step()
+        assert math.isfinite(ref_total) == (step not in (1, 5))
+        assert total.isfinite().item() == math.isfinite(ref_total)
+        if ref.initialized:
+            assert guard.mean.item() == pytest.approx(ref.mean, rel=1e-5)
+            assert guard.var.item() == pytest.approx(ref.var, rel=1e-4)
+    assert guard.count.item() == 3 and math.isfinite(guard.mean.item())
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"alpha": 0.0}, "alpha"), ({"alpha": 1.0}, "alpha"), ({"alpha": -0.5}, "alpha"), ({"alpha": 1.5}, "alpha"),
+    ({"alpha": math.nan}, "alpha"), ({"z_thresh": -1.0}, "z_thresh"), ({"z_thresh": 0}, "z_thresh"),
+    ({"clip_factor": 0.0}, "clip_factor"), ({"max_grad_norm": -1.0}, "max_grad_norm"),
+    ({"max_grad_norm": math.inf}, "max_grad_norm"), ({"warmup_steps": -1}, "warmup_steps"),
+    ({"warmup_steps": 2.5}, "warmup_steps"), ({"eps": -1e-6}, "eps"), ({"mode": "median"}, "mode"),
+    ({"clip_option": "max"}, "clip_option"), ({"on_spike": "ignore"}, "on_spike"), ({"mode": None}, "mode"),
+])
+def test_bad_options_refused(options, match):
+    hook = fh.grad_hook(stats=("norm",))
+    with pytest.raises(ValueError, match=match):
+        fh.zclip(hook, **options)
+
+
+def test_hook_without_norm_refused():
+    with pytest.raises(ValueError, match=r"add 'norm' to its stats="):
+        fh.zclip(fh.grad_hook(stats=("mean", "max")))
+    with pytest.raises(TypeError, match="fusedhooks hook"):
+        fh.zclip(torch.nn.Linear(2, 2))
+    fh.zclip(fh.grad_hook(stats=("sumsq",)))  # the norms follow from sumsq as well
