@@ -189,8 +189,8 @@ class Bench:
                 synchronize(self.device)
             result["host_us_per_firing"] = clock.seconds * 1e6 / (reps * len(kind.env.params))
 
-        setup()
-        result["launches"], result["launches_how"] = self.launches(impl, step, kind.env.dtype, result["numel"] is None)
+        result["launches"], result["launches_how"] = self.launches(impl, step, kind.env.dtype, result["numel"] is None,
+                                                                   setup)
         if impl.fh_structure is not None:
             result["fusedhooks_plan"] = impl.fh_structure
         if result["numel"] is not None:  # bandwidth: one gradient, bytes as the provider moves them
@@ -199,15 +199,18 @@ class Bench:
                 result["gbps"] = impl.bytes_per_element * result["numel"] / (result["median_us"] * 1e3)
                 result["copy_ratio"] = result["gbps"] / result["copy_gbps"]
 
-    def launches(self, impl: Impl, step, dtype: torch.dtype, model: bool) -> tuple[int | None, str]:
-        """Kernel launches per call (for the model: added to the no-hook step), and how they were counted."""
+    def launches(self, impl: Impl, step, dtype: torch.dtype, model: bool, setup) -> tuple[int | None, str]:
+        """Kernel launches per call (for the model: added to the no-hook step; `setup` run before each call, not
+        counted), and how they were counted."""
         counted = None
         if impl.fh_hook is not None and impl.fh_hook.plan(shape=(1,), device=self.device).backend == "triton":
+            setup()
             with fusedhooks_launch_counter() as count:
                 step()
                 synchronize(self.device)
             counted = count[0]
         if self.device.type == "cuda":
+            setup()
             kernels = cuda_kernels(step)
             how = "torch.profiler: CUDA kernels per call"
             if model:
