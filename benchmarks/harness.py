@@ -44,8 +44,12 @@ class Timer:
         return (f"time.perf_counter per call, about {self.cpu_budget_s} s of calls per figure (x10 for the model "
                 f"step), at least {self.min_reps}")
 
-    def __call__(self, fn: Callable[[], object], scale: float = 1.0) -> tuple[float, float, float]:
-        """scale: multiplies the time spent (the model step gets longer runs than one gradient)."""
+    def __call__(self, fn: Callable[[], object], scale: float = 1.0,
+                 setup: Callable[[], object] | None = None) -> tuple[float, float, float]:
+        """scale: multiplies the time spent (the model step gets longer runs than one gradient). setup: run before
+        each call, not timed (CUDA: then the L2 flush, CUDA events around the call alone)."""
+        if self.device.type == "cuda" and setup is not None:
+            return self._cuda_with_setup(fn, setup, scale)
         if self.device.type == "cuda":
             from triton.testing import do_bench
             ms = do_bench(fn, warmup=int(self.warmup_ms * scale), rep=int(self.rep_ms * scale),
@@ -54,9 +58,28 @@ class Timer:
         samples = []
         deadline = time.perf_counter() + self.cpu_budget_s * scale
         while len(samples) < self.min_reps or time.perf_counter() < deadline:
+            if setup is not None:
+                setup()
             start = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - start)
+        return quantiles_us(samples)
+
+    def _cuda_with_setup(self, fn, setup, scale: float) -> tuple[float, float, float]:
+        """do_bench's measurement with `setup` before each call: setup, L2 flush (256 MB zeroed), CUDA events
+        around `fn`, for about warmup + rep ms."""
+        flush = torch.empty(256 << 20, dtype=torch.int8, device=self.device)
+        samples = []
+        deadline = time.perf_counter() + (self.warmup_ms + self.rep_ms) * scale / 1e3
+        while len(samples) < self.min_reps or time.perf_counter() < deadline:
+            setup()
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
         return quantiles_us(samples)
 
 
@@ -306,7 +329,7 @@ class Report:
             head = "| dtype | provider | step ms | p20–p80 ms | added % of step | host µs/firing | launches added |"
         else:
             head = ("| size | dtype | provider | median µs | p20–p80 µs | GB/s | × copy | host µs/firing | launches "
-                    "| time ÷ fusedhooks |")
+                    "| time ÷ fusedhooks | bytes/element |")
         lines = [head, "|" + "---|" * (head.count("|") - 1)]
         notes = {}
         for r in rows:
@@ -323,7 +346,7 @@ class Report:
                 cells = [r["provider"], f"{r['median_us']:.1f}", f"{r['p20_us']:.1f}–{r['p80_us']:.1f}",
                          fmt(r["gbps"], "{:.1f}"), fmt(r["copy_ratio"], "{:.2f}"),
                          fmt(r["host_us_per_firing"], "{:.1f}"), fmt(r["launches"], "{}"),
-                         fmt(r["vs_fusedhooks"], "{:.2f}")]
+                         fmt(r["vs_fusedhooks"], "{:.2f}"), fmt(r["bytes_per_element"], "{:g}")]
             lead = [r["dtype"]] if model else [human(r["numel"]), r["dtype"]]
             lines.append("| " + " | ".join(lead + cells) + " |")
         lines += [f"- {provider}: {status} ({reason})" for provider, status, reason in notes]

@@ -17,6 +17,7 @@ import functools
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import overhead
@@ -43,6 +44,9 @@ SIZE_PRESETS = {
     "cpu": "1K,64K,1M",
     "gpu": "1K,64K,1M,16M,256M",
     "sweep": "1K,4K,16K,64K,256K,1M,4M,16M,64M,256M",
+    # one 1.54 B-element gradient: the published norm + clip comparison (NeMo Automodel's Triton kernel, Transformer
+    # Engine, bf16 on an H100); a GPU's: with clip_step's AdamW state it takes 4 x 3.1 GB in bf16
+    "published": "1540000000",
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: The workloads, in run order: the model step first (a headline figure), then the one-gradient sweeps, then
@@ -166,11 +170,12 @@ class Bench:
             impl.detach()
 
     def measure(self, result: dict, impl: Impl, kind, scale: float) -> None:
-        step = kind.step(impl)
+        step, setup = kind.step(impl), kind.setup(impl)
         for _ in range(WARMUP_CALLS):
+            setup()
             step()
         synchronize(self.device)
-        result["median_us"], result["p20_us"], result["p80_us"] = self.timer(step, scale)
+        result["median_us"], result["p20_us"], result["p80_us"] = self.timer(step, scale, setup=kind.untimed(impl))
 
         result["gradients"] = len(kind.env.params)
         if not impl.does_nothing:  # host time per firing: a few synchronised calls with the clock running
@@ -178,12 +183,14 @@ class Bench:
             reps = min(self.host_reps, kind.max_host_reps or self.host_reps)
             with kind.timed(impl, clock) as timed:
                 for _ in range(reps):
+                    setup()
                     synchronize(self.device)
                     timed()
                 synchronize(self.device)
             result["host_us_per_firing"] = clock.seconds * 1e6 / (reps * len(kind.env.params))
 
-        result["launches"], result["launches_how"] = self.launches(impl, step, kind.env.dtype, result["numel"] is None)
+        result["launches"], result["launches_how"] = self.launches(impl, step, kind.env.dtype, result["numel"] is None,
+                                                                   setup)
         if impl.fh_structure is not None:
             result["fusedhooks_plan"] = impl.fh_structure
         if result["numel"] is not None:  # bandwidth: one gradient, bytes as the provider moves them
@@ -192,15 +199,18 @@ class Bench:
                 result["gbps"] = impl.bytes_per_element * result["numel"] / (result["median_us"] * 1e3)
                 result["copy_ratio"] = result["gbps"] / result["copy_gbps"]
 
-    def launches(self, impl: Impl, step, dtype: torch.dtype, model: bool) -> tuple[int | None, str]:
-        """Kernel launches per call (for the model: added to the no-hook step), and how they were counted."""
+    def launches(self, impl: Impl, step, dtype: torch.dtype, model: bool, setup) -> tuple[int | None, str]:
+        """Kernel launches per call (for the model: added to the no-hook step; `setup` run before each call, not
+        counted), and how they were counted."""
         counted = None
         if impl.fh_hook is not None and impl.fh_hook.plan(shape=(1,), device=self.device).backend == "triton":
+            setup()
             with fusedhooks_launch_counter() as count:
                 step()
                 synchronize(self.device)
             counted = count[0]
         if self.device.type == "cuda":
+            setup()
             kernels = cuda_kernels(step)
             how = "torch.profiler: CUDA kernels per call"
             if model:
@@ -232,13 +242,14 @@ class Bench:
                 param = torch.zeros(workload.param_shape(numel), dtype=dtype, device=self.device, requires_grad=True)
                 param.grad = torch.empty_like(param)
                 env = Env(self.device, dtype, [(f"grad{human(numel)}", param)], torch.optim.SGD([param], lr=0.0))
+                kind = AfterBackwardCall(env) if workload.after_backward_only else SweepCall(env)
                 copy = self.copy_baseline(param.grad)
                 for provider in self.args.providers:
                     torch.manual_seed(0)
                     param.grad.normal_()  # every provider starts from the same gradient
                     result = new_result(workload=name, provider=provider, dtype=dtype_name(dtype), numel=numel,
                                         copy_gbps=copy)
-                    self.case(result, functools.partial(PROVIDERS[provider], workload, env), SweepCall(env))
+                    self.case(result, functools.partial(PROVIDERS[provider], workload, env), kind)
 
     def copy_baseline(self, src: torch.Tensor) -> float:
         """GB/s of dst.copy_(src) (read + write), measured once per (size, dtype) in this run."""
@@ -300,9 +311,42 @@ class SweepCall:
                     after()
         return call
 
+    def setup(self, impl: Impl) -> Callable[[], None]:
+        """What runs before each timed call (nothing here)."""
+        return lambda: None
+
+    def untimed(self, impl: Impl) -> Callable[[], None] | None:
+        """The timer's `setup`: None when nothing runs between timed calls."""
+        return None
+
     @contextlib.contextmanager
     def timed(self, impl: Impl, clock: HostClock):
         yield self.step(impl, clock)
+
+
+class AfterBackwardCall(SweepCall):
+    """The work after backward alone (`after`: a global clip and the optimizer step): the per-parameter hooks run
+    before each call, untimed, as backward runs them (fusedhooks' records the norms the clip reads)."""
+
+    def step(self, impl: Impl, clock: HostClock | None = None):
+        after = impl.after if clock is None else clock.timed(impl.after)
+
+        def call():
+            with torch.no_grad():
+                after()
+        return call
+
+    def setup(self, impl: Impl) -> Callable[[], None]:
+        pairs = list(zip(self.env.tensors, impl.hooks))
+
+        def hooks():
+            with torch.no_grad():
+                for p, hook in pairs:
+                    hook(p)
+        return hooks
+
+    def untimed(self, impl: Impl) -> Callable[[], None] | None:
+        return self.setup(impl) if impl.hooks else None
 
 
 class ModelStep:
@@ -318,6 +362,12 @@ class ModelStep:
     def step(self, impl: Impl):
         assert impl.after is None, "the model step runs per-parameter hooks only"
         return self.train
+
+    def setup(self, impl: Impl) -> Callable[[], None]:
+        return lambda: None
+
+    def untimed(self, impl: Impl) -> None:
+        return None
 
     @contextlib.contextmanager
     def timed(self, impl: Impl, clock: HostClock):

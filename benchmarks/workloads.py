@@ -9,6 +9,7 @@ same work on the same gradients, its own way:
                     (statistics are written into a device buffer)
     eager+item      the seed-style hook: the same eager ops, every statistic or scalar read with `.item()`
     torch built-in  `clip_grad_value_`, `clip_grad_norm_`, `GradScaler.unscale_`, where one applies
+    fusedhooks folded  `fh.clip_grad_norm_(hook, max_norm, optimizer=opt)` into a fused optimizer (clip_step only)
     torch.compile   the `eager` hook function, compiled (default options)
     no hook         nothing: the baseline of the model step
 
@@ -132,6 +133,8 @@ class Workload:
     builtin_traffic: tuple[float, float] | None = None
     #: Whether the seed-style hook differs from `eager` (it reads something with .item()).
     has_item_variant = True
+    #: Time only `after` (the work after backward); the per-parameter hooks run before each call, untimed.
+    after_backward_only = False
 
     def param_shape(self, numel: int) -> tuple[int, ...]:
         """The shape of the parameter of `numel` elements the sweep runs on (default: 1-d)."""
@@ -193,6 +196,9 @@ class Workload:
 
     def builtin(self, env: Env) -> Impl:
         raise NotApplicable("no torch built-in does this")
+
+    def folded(self, env: Env) -> Impl:
+        raise NotApplicable("nothing to fold: the global clip into a fused optimizer's step is clip_step's")
 
 
 def _on_param_grad(fn: Callable, p: torch.Tensor, state, sync: bool) -> None:
@@ -439,8 +445,69 @@ class AmpClip(Workload):
         return Impl(after=after, bytes_per_element=_bytes(self.builtin_traffic, env.dtype))
 
 
+class ClipStep(Workload):
+    """The optimizer step after backward: a global-norm clip (max_norm MAX_NORM) then a fused AdamW step
+    (`torch.optim.AdamW(fused=True)`, lr 0 so that repeated steps leave the parameter as it is; the step does the
+    same work). Only the work after backward is timed: the per-parameter hooks (fusedhooks' records the norms)
+    run before each timed call, untimed, as backward runs them.
+
+        torch built-in      torch.nn.utils.clip_grad_norm_ + step: norm R, scale R+W, then the step
+        fusedhooks          fh.clip_grad_norm_(hook, MAX_NORM) + step: the norms are the hook's, scale R+W
+        fusedhooks folded   fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt) + step: the coefficient folded into
+                            opt.grad_scale; the step divides the gradient and writes it back (1 W)
+
+    Bytes per element, in element sizes: the step reads grad, param, exp_avg, exp_avg_sq and writes the last three
+    (STEP_TRAFFIC = 7, all in the parameter's dtype), plus the clip's gradient traffic (CLIP_TRAFFIC). The gradient
+    is drawn with a norm far above MAX_NORM, and after the first clip it stays at MAX_NORM / (1 + 1e-6 MAX_NORM):
+    every call clips.
+    """
+
+    name, title = "clip_step", "global clip + fused AdamW step"
+    STEP_TRAFFIC = 7
+    #: gradient reads + writes of each provider's clip (the folded step's write-back of the divided gradient)
+    CLIP_TRAFFIC = {"torch built-in": 3, "fusedhooks": 2, "fusedhooks folded": 1}
+    after_backward_only = True
+
+    def optimizer(self, env: Env) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(env.tensors, lr=0.0, fused=True)
+
+    def impl(self, env: Env, provider: str, clip: Callable, hook: fh.GradHook | None = None) -> Impl:
+        traffic = (self.STEP_TRAFFIC + self.CLIP_TRAFFIC[provider], 0)
+        structure = None
+        if hook is not None:
+            passes = 1 if provider == "fusedhooks" else 0  # the scale pass (the step's own passes not counted)
+            structure = {"passes": passes, "writes": passes, "launches": passes,
+                         "launches_from": "fh.clip_grad_norm_'s multi-tensor scale, the step's kernels not counted"}
+        return Impl(hooks=[hook] * len(env.params) if hook else [], after=clip,
+                    bytes_per_element=_bytes(traffic, env.dtype), fh_hook=hook, fh_structure=structure)
+
+    def fusedhooks(self, env, fold=False):
+        hook = fh.grad_hook(stats=("norm",))
+        opt = self.optimizer(env)
+
+        def after():
+            fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt if fold else None)
+            opt.step()
+        return self.impl(env, "fusedhooks folded" if fold else "fusedhooks", after, hook)
+
+    def folded(self, env):
+        return self.fusedhooks(env, fold=True)
+
+    def builtin(self, env):
+        opt = self.optimizer(env)
+
+        def after():
+            torch.nn.utils.clip_grad_norm_(env.tensors, MAX_NORM)
+            opt.step()
+        return self.impl(env, "torch built-in", after)
+
+    def eager(self, env, sync=False, wrap=lambda f: f):
+        raise NotApplicable("torch's clip_grad_norm_ is the eager way: the torch built-in provider")
+
+
 #: In run order, the headline figure first (so that a run cut short by a time budget has it).
-WORKLOADS = {w.name: w for w in (ClipStats(), ClipScale(), Normalize(), AmpClip(), Agc(), CenterColumns())}
+WORKLOADS = {w.name: w for w in (ClipStats(), ClipScale(), Normalize(), AmpClip(), Agc(), CenterColumns(),
+                                 ClipStep())}
 #: The per-parameter work of the model workload: the target's (clip + all statistics on every parameter).
 MODEL_WORK = WORKLOADS["clip_stats"]
 
@@ -469,6 +536,7 @@ PROVIDERS: dict[str, Callable[[Workload, Env], Impl]] = {
     "eager": lambda w, env: w.eager(env),
     "eager+item": lambda w, env: w.eager(env, sync=True),
     "torch built-in": lambda w, env: w.builtin(env),
+    "fusedhooks folded": lambda w, env: w.folded(env),
     "torch.compile": lambda w, env: w.compiled(env),
     "no hook": no_hook,
 }

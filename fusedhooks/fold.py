@@ -7,7 +7,9 @@ float32 device tensor) inside their step kernel, and write the divided gradient 
 the attribute (and `found_inf`) after the step: the fold composes with it either way.
 
 One fold per optimizer at a time, consumed by exactly one step: a step pre-hook marks it as taken, a step
-post-hook puts back what `grad_scale` was before (registered once per optimizer). A step that raises never reaches
+post-hook puts back what `grad_scale` was before (registered once per optimizer). A fold made during a step (by the
+closure the step runs, where Lightning's automatic optimization clips) is read by that step, which reads `grad_scale`
+after its closure: the post-hook takes it as consumed too. A step that raises never reaches
 the post-hook: its fold is undone by the next step's pre-hook or the next fold, before anything reads it again.
 """
 
@@ -120,7 +122,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
 def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     pending = _folds.get(optimizer)
-    if pending is None or not pending.stepping:
+    if pending is None:  # a pending fold the pre-hook did not mark was made in this step's closure: read too
         return
     amp.bump_versions(optimizer)  # the fused step divided the gradients in place without bumping their versions
     _undo(optimizer, pending)

@@ -161,3 +161,28 @@ def timm_agc_(parameters, clip_factor=0.01, eps=1e-3):
         clipped_grad = g_data * (max_norm / grad_norm.clamp(min=1e-6))
         new_grads = torch.where(grad_norm < max_norm, g_data, clipped_grad)
         p.grad.detach().copy_(new_grads)
+
+
+#: unit roundoff
+U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -9}
+
+
+def coef_rtol(dtype, norm_type, numels):
+    """Relative difference of the gradient the step sees: torch's fl(g * coef) against the fused step's
+    fl(g / fl(1 / coef)) (3 roundings of fp32 between them), plus the coefficient's own difference: for the
+    2-norm torch's fp32 norm against the correctly rounded recorded one; for bf16 one bf16 ulp of the total norm
+    (torch's bf16 norms against the recorded ones rounded to bf16) and torch's rounding of the clipped gradient
+    to bf16, which the fused step (in fp32) does not do."""
+    if dtype == torch.bfloat16:
+        return 3 * 2.0 ** -24 + 4 * U[torch.bfloat16]
+    return 3 * 2.0 ** -24 + (torch_fp32_norm_rtol(numels) if norm_type == 2.0 else 0.0)
+
+
+def assert_close_after_steps(actual, expected, start, delta, steps):
+    """|a - e| <= steps * (8 * delta * max|e - start| + 2 u |e|): each step perturbs the gradient by delta
+    relative, which the optimizer's update passes on at most 8-fold (m / sqrt(v), a sum of squares, momentum),
+    plus the rounding of each stored value to its dtype (2 ulps: either side may round the other way)."""
+    a, e, s = actual.double(), expected.double(), start.double()
+    bound = steps * (8 * delta * (e - s).abs().max() + 2 * U[expected.dtype] * e.abs())
+    bad = (a - e).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} of {a.numel()} differ: {a[bad][:4].tolist()} vs {e[bad][:4].tolist()}"

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("model", "clip_scale", "clip_stats", "normalize", "amp_clip")
@@ -82,7 +83,7 @@ def test_quick_run_sweep_figures(quick):
         assert r["gbps"] > 0 and r["copy_gbps"] > 0 and r["copy_ratio"] == pytest.approx(r["gbps"] / r["copy_gbps"])
         assert r["host_us_per_firing"] > 0 and r["gradients"] == 1
         assert r["vs_fusedhooks"] > 0
-        if r["provider"] == "fusedhooks":
+        if r["provider"] in ("fusedhooks", "fusedhooks folded"):
             assert isinstance(r["launches"], int) and r["launches"] == r["fusedhooks_plan"]["launches"]
         else:
             assert r["launches"] is None and r["launches_how"].startswith("n/a")
@@ -136,6 +137,63 @@ def test_quick_run_prints_markdown(quick):
     for title in ("clip + scale", "clip + all stats", "normalise by norm", "AMP unscale + global clip", "GPT-2"):
         assert f"## {title}" in stdout
     assert "results.json" in stdout
+
+
+def test_clip_step_times_three_paths_after_backward(quick, monkeypatch):
+    """The optimizer step after backward: torch's clip_grad_norm_ + fused AdamW, fh.clip_grad_norm_ (scale pass) +
+    fused AdamW, and the clip folded into the fused step, each with its bytes: the step's 7 element sizes (grad,
+    param, exp_avg, exp_avg_sq read; the last three written) plus the clip's 3 (norm R, scale R+W), 2 (scale R+W)
+    and 1 (the folded step writes the divided gradient back)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from harness import human
+
+    data, stdout = quick
+    results = by_key(data)
+    itemsize = {"fp32": 4, "bf16": 2}
+    for dtype in data["settings"]["dtypes"]:
+        for numel in data["settings"]["sizes"]:
+            for provider, elements in {"torch built-in": 10, "fusedhooks": 9, "fusedhooks folded": 8}.items():
+                r = results[("clip_step", provider, dtype, numel)]
+                assert r["status"] == "ok" and r["median_us"] > 0, r
+                assert r["bytes_per_element"] == elements * itemsize[dtype]
+                assert f"| {human(numel)} | {dtype} | {provider} | " in stdout
+            assert results[("clip_step", "fusedhooks", dtype, numel)]["fusedhooks_plan"]["passes"] == 1
+            assert results[("clip_step", "fusedhooks folded", dtype, numel)]["launches"] == 0
+            assert results[("clip_step", "eager", dtype, numel)]["status"] == "n/a"
+    assert "## global clip + fused AdamW step (`clip_step`)" in stdout
+    # the folded provider is clip_step's alone
+    assert results[("clip_stats", "fusedhooks folded", "fp32", data["settings"]["sizes"][0])]["status"] == "n/a"
+
+
+@pytest.mark.parametrize("provider", ["torch built-in", "fusedhooks", "fusedhooks folded"])
+def test_clip_step_providers_clip_and_step(provider, monkeypatch):
+    """Each clip_step provider's timed call (after its untimed hooks) clips the gradient to max_norm and steps the
+    fused AdamW; the folded one through opt.grad_scale, consumed by the step."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from workloads import MAX_NORM, PROVIDERS, WORKLOADS, Env
+
+    param = torch.zeros(3000, requires_grad=True)
+    param.grad = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    grad = param.grad.clone()
+    env = Env(torch.device("cpu"), torch.float32, [("w", param)], torch.optim.SGD([param], lr=0.0))
+    impl = PROVIDERS[provider](WORKLOADS["clip_step"], env)
+    impl.attach(env)
+    scales = []
+    handle = register_optimizer_step_pre_hook(
+        lambda opt, args, kwargs: scales.append(vars(opt).get("grad_scale")))
+    try:
+        with torch.no_grad():
+            for hook in impl.hooks:
+                hook(param)
+            impl.after()
+    finally:
+        handle.remove()
+        impl.detach()
+    coef = MAX_NORM / (grad.norm() + 1e-6)
+    torch.testing.assert_close(param.grad, grad * coef, rtol=4 * 2.0 ** -24, atol=0)
+    assert len(scales) == 1 and (scales[0] is not None) == (provider == "fusedhooks folded")
+    torch.testing.assert_close(param, torch.zeros_like(param))  # lr 0: the parameter stays
 
 
 def test_interpreter_counts_launches(tmp_path):

@@ -7,10 +7,9 @@ import torch
 
 import fusedhooks as fh
 
-from helpers import FUSED_OPTIMIZERS, optimizer_state, torch_fp32_norm_rtol
+from helpers import FUSED_OPTIMIZERS, assert_close_after_steps, coef_rtol, optimizer_state, torch_fp32_norm_rtol
 
 STEPS, MAX_NORM = 4, 0.5
-U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -9}  # unit roundoff
 
 
 def make_model(dtype):
@@ -58,27 +57,6 @@ def train(make_optimizer, dtype, use_fh, backend, with_scaler=False, norm_type=2
             scales.append(scaler.get_scale())
         assert "grad_scale" not in vars(opt)  # consumed by this step, nothing left behind
     return model, opt, totals, scales
-
-
-def coef_rtol(dtype, norm_type, numels):
-    """Relative difference of the gradient the step sees: torch's fl(g * coef) against the fused step's
-    fl(g / fl(1 / coef)) (3 roundings of fp32 between them), plus the coefficient's own difference: for the
-    2-norm torch's fp32 norm against the correctly rounded recorded one; for bf16 one bf16 ulp of the total norm
-    (torch's bf16 norms against the recorded ones rounded to bf16) and torch's rounding of the clipped gradient
-    to bf16, which the fused step (in fp32) does not do."""
-    if dtype == torch.bfloat16:
-        return 3 * 2.0 ** -24 + 4 * U[torch.bfloat16]
-    return 3 * 2.0 ** -24 + (torch_fp32_norm_rtol(numels) if norm_type == 2.0 else 0.0)
-
-
-def assert_close_after_steps(actual, expected, start, delta, steps):
-    """|a - e| <= steps * (8 * delta * max|e - start| + 2 u |e|): each step perturbs the gradient by delta
-    relative, which the optimizer's update passes on at most 8-fold (m / sqrt(v), a sum of squares, momentum),
-    plus the rounding of each stored value to its dtype (2 ulps: either side may round the other way)."""
-    a, e, s = actual.double(), expected.double(), start.double()
-    bound = steps * (8 * delta * (e - s).abs().max() + 2 * U[expected.dtype] * e.abs())
-    bad = (a - e).abs() > bound
-    assert not bad.any(), f"{int(bad.sum())} of {a.numel()} differ: {a[bad][:4].tolist()} vs {e[bad][:4].tolist()}"
 
 
 def assert_trains_as_torch(name, dtype, backend, **kwargs):
@@ -166,6 +144,50 @@ def test_the_fold_leaves_the_gradients_to_the_step(backend):
     for p, g in zip(params, grads):
         torch.testing.assert_close(p.grad, g * coef, rtol=4 * 2.0 ** -24, atol=0)
     assert fh.clip_grad_norm_(hook, math.inf).item() == pytest.approx(MAX_NORM, rel=1e-5)  # re-measured
+
+
+@pytest.mark.parametrize("first_fold_in_closure", [True, False], ids=["first", "after-a-plain-fold"])
+def test_a_fold_in_the_steps_closure_is_consumed_by_that_step(backend, first_fold_in_closure):
+    """Lightning clips inside the closure optimizer.step runs (after the step's pre-hooks): that step reads the fold
+    and its post-hook takes it away and bumps the versions, as for a fold made before the step; also when the step
+    hooks are first registered by that very fold. Two steps: the second sees no leftover coefficient."""
+    params, opt, hook = small_setup(backend)
+    expected = [p.detach().clone().requires_grad_() for p in params]
+    expected_opt = FUSED_OPTIMIZERS["Adam"](expected)
+    start = [p.detach().clone() for p in params]
+    if not first_fold_in_closure:  # the step hooks are registered already
+        backward(params)
+        fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+        opt.step()
+        backward(expected)
+        torch.nn.utils.clip_grad_norm_(expected, MAX_NORM)
+        expected_opt.step()
+    for scale in (10.0, 20.0):
+        seen = []
+
+        def closure(scale=scale, seen=seen):
+            opt.zero_grad()
+            backward(params, scale)
+            seen.append([p.grad.clone() for p in params])
+            return fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+
+        def expected_closure(scale=scale):
+            expected_opt.zero_grad()
+            backward(expected, scale)
+            return torch.nn.utils.clip_grad_norm_(expected, MAX_NORM)
+
+        total = opt.step(closure)
+        expected_total = expected_opt.step(expected_closure)
+        assert "grad_scale" not in vars(opt)
+        coef = MAX_NORM / (total + 1e-6)
+        assert coef < 0.01  # it clips
+        torch.testing.assert_close(total, expected_total, rtol=torch_fp32_norm_rtol([7, 15]), atol=0)
+        for p, g in zip(params, seen[0]):
+            torch.testing.assert_close(p.grad, g * coef, rtol=4 * 2.0 ** -24, atol=0)  # divided by the step
+        delta = coef_rtol(torch.float32, 2.0, [7, 15])
+        for p, e, s in zip(params, expected, start):
+            assert_close_after_steps(p.detach(), e.detach(), s, delta, expected_opt.state[e]["step"].item())
+    assert fh.clip_grad_norm_(hook, math.inf).item() == pytest.approx(MAX_NORM, rel=1e-5)  # versions bumped
 
 
 def test_a_user_set_grad_scale_is_divided_by_the_coefficient_and_put_back(backend):

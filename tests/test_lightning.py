@@ -10,7 +10,7 @@ import torch
 import fusedhooks as fh
 from fusedhooks.integrations.lightning import FusedHooksCallback
 
-from helpers import record_processing
+from helpers import assert_close_after_steps, coef_rtol, record_processing, torch_fp32_norm_rtol
 
 #: every test fits with a real lightning.pytorch.Trainer (about 40 s for the module on 2 busy CPU cores)
 pytestmark = pytest.mark.slow
@@ -88,6 +88,48 @@ def test_clipping_equals_gradient_clip_val(tmp_path, accumulate, precision):
                             for stat in ("norm", "absmax", "nan")}
     assert metrics["grad/total_norm"].item() == callback.total_norm.item()
     assert callback._handle is None and len(hook.registry) == 0  # removed at the end of fit()
+
+
+class FusedAdamW(Regression):
+    """Regression stepped by a fused AdamW; records the optimizer's grad_scale in on_before_optimizer_step (after
+    the callbacks', inside the step: Lightning runs backward in the closure optimizer.step calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.grad_scales = []
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self.grad_scales.append(vars(optimizer).get("grad_scale"))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05, fused=True)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_clipping_with_a_fused_optimizer_folds_into_its_step(tmp_path, accumulate):
+    """A fused AdamW: the callback folds the coefficient into its grad_scale (no pass over the gradients; the step
+    that runs the closure reads it) and trains as gradient_clip_val=1.0, to the fold's rounding (coef_rtol: dividing
+    by fl(1 / coef) against multiplying by coef, and the norms' rounding) passed on by each AdamW step."""
+    _, reference = _fit(tmp_path / "ref", gradient_clip_val=1.0, accumulate_grad_batches=accumulate,
+                        module=FusedAdamW())
+    callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)
+    _, module = _fit(tmp_path / "fh", [callback], accumulate_grad_batches=accumulate, module=FusedAdamW())
+    steps, numels = 5 if accumulate == 1 else 3, [p.numel() for p in module.parameters()]
+    assert len(module.grad_scales) == steps and reference.grad_scales == [None] * steps
+    # the folded path: grad_scale = 1 / coef = (total norm + 1e-6) / max_norm, consumed by each step
+    totals = [torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
+              for grads in module.grads_at_step]  # the gradients before the step divides them
+    assert [s.item() for s in module.grad_scales] == [pytest.approx(t + 1e-6, rel=torch_fp32_norm_rtol(numels))
+                                                      for t in totals]
+    assert min(totals) > 1.0  # it clips at every step
+    assert "grad_scale" not in vars(module.trainer.optimizers[0])  # nothing left behind
+    delta = coef_rtol(torch.float32, 2.0, numels)
+    for p, q, s in zip(module.parameters(), reference.parameters(), Regression().parameters()):
+        assert_close_after_steps(p.detach(), q.detach(), s.detach(), delta, steps)
+    # the losses of the first step's batches are of the same parameters; later ones move with them
+    assert module.losses[:accumulate] == reference.losses[:accumulate]
+    assert module.losses == pytest.approx(reference.losses, rel=1e-5, abs=0)
 
 
 def test_hook_runs_once_per_optimizer_step(tmp_path):

@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 import fusedhooks as fh
 from fusedhooks.integrations.transformers import FusedHooksCallback
 
-from helpers import record_processing, torch_fp32_norm_rtol
+from helpers import assert_close_after_steps, coef_rtol, record_processing, torch_fp32_norm_rtol
 
 #: every test trains with a real Trainer (about 40 s for the module on 2 CPU cores)
 pytestmark = pytest.mark.slow
@@ -33,13 +33,13 @@ def _model():
 
 
 def _train(tmp_path, max_grad_norm, accumulation, callbacks=(), samples=20, epochs=1, max_steps=5, log_every=1,
-           **extra):
+           optim="sgd", learning_rate=1.0, **extra):
     model = _model()
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=max_steps,
-                             num_train_epochs=epochs, gradient_accumulation_steps=accumulation, learning_rate=1.0,
-                             optim="sgd", lr_scheduler_type="constant", max_grad_norm=max_grad_norm,
-                             logging_steps=log_every, report_to=[], save_strategy="no", use_cpu=True, seed=0,
-                             data_seed=0, disable_tqdm=True, dataloader_num_workers=0, **extra)
+                             num_train_epochs=epochs, gradient_accumulation_steps=accumulation,
+                             learning_rate=learning_rate, optim=optim, lr_scheduler_type="constant",
+                             max_grad_norm=max_grad_norm, logging_steps=log_every, report_to=[], save_strategy="no",
+                             use_cpu=True, seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0, **extra)
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(samples), callbacks=list(callbacks))
     trainer.train()
     return trainer, model
@@ -83,6 +83,45 @@ def test_clipping_equals_trainers_own(tmp_path, accumulation):
         assert set(k for k in entry if k.startswith("grad/")) == \
             {"grad/total_norm"} | {f"grad/{n}/{s}" for n, _ in model.named_parameters() for s in ("norm", "max", "nan")}
     assert callback._handle is None and len(hook.registry) == 0  # removed at the end of train()
+
+
+class RecordGradScale(TrainerCallback):
+    """Records the grad_scale of the torch optimizer inside accelerate's wrapper as each step begins (a step
+    pre-hook): the clip coefficient's reciprocal when it was folded into the fused step, None when it was not."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        optimizer.optimizer.register_step_pre_hook(lambda opt, a, k: self.seen.append(vars(opt).get("grad_scale")))
+
+
+def test_clipping_with_a_fused_optimizer_folds_into_its_step(tmp_path):
+    """optim="adamw_torch_fused": the callback folds the coefficient into the fused AdamW's grad_scale (no pass over
+    the gradients) and trains as Trainer's own max_grad_norm=1.0 does, to the fold's rounding (coef_rtol: dividing by
+    fl(1 / coef) against multiplying by coef, and the norms' rounding) passed on by each AdamW step."""
+    steps, lr = 4, 1e-2
+    reference, reference_model = _train(tmp_path / "ref", 1.0, 1, max_steps=steps, optim="adamw_torch_fused",
+                                        learning_rate=lr)
+    recorder = RecordGradScale()
+    callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)
+    trainer, model = _train(tmp_path / "fh", 0.0, 1, [callback, recorder], max_steps=steps, optim="adamw_torch_fused",
+                            learning_rate=lr)
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    totals = [e["grad/total_norm"] for e in logged]
+    assert len(recorder.seen) == steps and all(s is not None for s in recorder.seen)  # the folded path, every step
+    assert min(totals) > 1.0  # it clips: the folded grad_scale is 1 / coef = (total norm + 1e-6) / max_norm
+    assert [s.item() for s in recorder.seen] == [pytest.approx(t + 1e-6, rel=2 ** -22) for t in totals]
+    assert "grad_scale" not in vars(trainer.optimizer.optimizer)  # nothing left behind
+    numels = [p.numel() for p in model.parameters()]
+    rtol = torch_fp32_norm_rtol(numels)
+    for entry, ref in zip(logged, [e for e in reference.state.log_history if "loss" in e]):
+        assert entry["grad/total_norm"] == pytest.approx(ref["grad_norm"], rel=rtol, abs=0)  # before clipping
+        # a parameter difference within the bound below moves the loss by ~ grad_norm * |dp|: under 1e-5 relative
+        assert entry["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    start = _model()
+    for p, q, s in zip(model.parameters(), reference_model.parameters(), start.parameters()):
+        assert_close_after_steps(p.detach(), q.detach(), s.detach(), coef_rtol(torch.float32, 2.0, numels), steps)
 
 
 def test_statistics_are_those_of_the_accumulated_gradient(tmp_path):

@@ -39,9 +39,11 @@ class StepCallbackBase:
         self.total_norm = None  # the last global norm of fh.clip_grad_norm_ (0-dim tensor), before clipping
         self._handle = None  # the hook's registration while training
 
-    def clip(self):
-        """fh.clip_grad_norm_ by max_grad_norm now; the total norm (0-dim tensor)."""
-        self.total_norm = clip_grad_norm_(self.hook, self.max_grad_norm, norm_type=self.norm_type)
+    def clip(self, optimizer=None):
+        """fh.clip_grad_norm_ by max_grad_norm now; the total norm before clipping (0-dim tensor). `optimizer`: the
+        torch optimizer whose step comes next: a fused one (`fold.folds_into`) gets the coefficient folded into its
+        grad_scale (no pass over the gradients: its step divides them); any other, or None: scaled in place."""
+        self.total_norm = clip_grad_norm_(self.hook, self.max_grad_norm, norm_type=self.norm_type, optimizer=optimizer)
         return self.total_norm
 
     def register(self, model, when) -> None:

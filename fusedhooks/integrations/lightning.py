@@ -30,7 +30,11 @@ class FusedHooksCallback(StepCallbackBase, Callback):
       Lightning clips for `gradient_clip_val`; the result equals `Trainer(gradient_clip_val=max_grad_norm)`
       (`gradient_clip_algorithm="norm"`). Leave Trainer's `gradient_clip_val` unset (refused: it would clip twice).
       The global norm counts every gradient the hook is registered on, Lightning's the optimizer's parameters: the
-      same set unless some parameters that require grad are in no optimizer (warned at `fit()`'s start).
+      same set unless some parameters that require grad are in no optimizer (warned at `fit()`'s start). With a
+      fused optimizer (torch's Adam, AdamW, SGD or Adagrad with `fused=True`) the clip makes no pass over the
+      gradients: the coefficient is folded into the optimizer's `grad_scale` and its step divides them (hooks that
+      run before the step, the module's `on_before_optimizer_step` included, see them unclipped, as with
+      gradient_clip_val, which clips after that hook).
     - Logging: `hook.stats.to_scalars(prefix, stats, params, top_k)` (`grad/<parameter>/<statistic>`: the gradient
       as the hook left it, before the global clip; the options select what, as in `to_scalars`; a `params` pattern
       matching no parameter is refused at `fit()`'s start), and `grad/total_norm` (before clipping) when it clips,
@@ -79,7 +83,7 @@ class FusedHooksCallback(StepCallbackBase, Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.max_grad_norm is not None:
-            self.clip()
+            self.clip(optimizer)
         if self.log_every is None:
             log = trainer._logger_connector.should_update_logs
         else:

@@ -6,6 +6,7 @@ Needs `transformers` and `accelerate` (`pip install fusedhooks[transformers]`).
 
 from __future__ import annotations
 
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import GradientState
 from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
 from transformers import TrainerCallback
@@ -24,18 +25,22 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
       the epoch's last, shorter step included), so clipping and statistics see the accumulated gradient once.
     - `max_grad_norm`: clips every gradient by their global norm with `fh.clip_grad_norm_` (from the norms the
       hook recorded: the hook must record `"norm"`), where Trainer would clip, just before `optimizer.step()`; the
-      result equals Trainer's own clipping. Set Trainer's own `TrainingArguments(max_grad_norm=0)` (refused
+      result equals Trainer's own clipping. With a fused optimizer (`optim="adamw_torch_fused"`, or torch's Adam,
+      AdamW, SGD or Adagrad with `fused=True`) the clip makes no pass over the gradients: the coefficient is folded
+      into the optimizer's `grad_scale` and its step divides them (callbacks' `on_pre_optimizer_step` after this one
+      see them unclipped). Set Trainer's own `TrainingArguments(max_grad_norm=0)` (refused
       otherwise: it would clip twice). Trainer then still computes the total norm it logs as `grad_norm`: one more
       read of every gradient (accelerate's `clip_grad_norm_` with `max_norm=inf`). To save that read, override
       `Trainer._get_grad_norm` to return `callback.clip_grad_norm().item()` (it clips there, once per step;
       docs/integrations.md, "Hugging Face Trainer").
     - Logging: `hook.stats.to_scalars(prefix, stats, params, top_k)` (`grad/<parameter>/<statistic>`; the options
       select what, as in `to_scalars`; a `params` pattern matching no parameter is refused at `train()`'s start),
-      and `grad/total_norm` when it clips, join Trainer's training logs (`trainer.state.log_history` and the
-      `logs` passed to later callbacks' `on_log`): at every training log (Trainer's `logging_steps`) when
-      `log_every` is None, else every `log_every` optimizer steps (Trainer then logs at those steps too). Trainer
-      calls its `report_to` callbacks (TensorBoard, W&B, ...) before user callbacks, so to have them log the
-      statistics as well, put this callback first: `trainer.callback_handler.callbacks.insert(0, callback)`.
+      and `grad/total_norm` (the global norm before clipping, as Trainer's `grad_norm`) when it clips, join Trainer's
+      training logs (`trainer.state.log_history` and the `logs` passed to later callbacks' `on_log`): at every training
+      log (Trainer's `logging_steps`) when `log_every` is None, else every `log_every` optimizer steps (Trainer then
+      logs at those steps too). Trainer calls its `report_to` callbacks (TensorBoard, W&B, ...) before user callbacks,
+      so to have them log the statistics as well, put this callback first: `trainer.callback_handler.callbacks.insert(0,
+      callback)`.
     Reading the statistics costs one device sync per log, none otherwise.
 
     Precision: fp32, `bf16=True`, and `fp16=True` where accelerate creates no GradScaler (CPU). `fp16=True` with a
@@ -52,6 +57,7 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
         super().__init__(hook, max_grad_norm, log_every, prefix, norm_type, stats, params, top_k)
         self._clipped = False  # in this optimizer step
         self._gradient_state = None
+        self._optimizer = None  # the torch optimizer Trainer steps (accelerate's wrapper taken off)
 
     def _steps(self) -> bool:
         """Does the running micro-batch complete an accumulation step? (called at each firing)"""
@@ -73,6 +79,7 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
                              "scaler), fp32, or a hook with scaler= in a plain loop")
         self.remove()  # a train() that raised left its registration (Trainer calls no callback then)
         self._gradient_state = GradientState()
+        self._optimizer = _torch_optimizer(optimizer)
         self.register(model, self._steps)
 
     def clip_grad_norm(self):
@@ -80,11 +87,13 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
         if self.max_grad_norm is None:
             raise ValueError("this FusedHooksCallback does not clip: pass max_grad_norm=")
         if not self._clipped:
-            self.clip()
+            self.clip(self._optimizer)
             self._clipped = True
         return self.total_norm
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is not None:
+            self._optimizer = _torch_optimizer(optimizer)
         if self.max_grad_norm is not None:
             self.clip_grad_norm()
 
@@ -107,3 +116,8 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.remove()
+
+
+def _torch_optimizer(optimizer):
+    """The torch optimizer inside accelerate's AcceleratedOptimizer (whose step calls its step), or `optimizer`."""
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
