@@ -107,15 +107,20 @@ class FusedAdamW(Regression):
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_clipping_with_a_fused_optimizer_folds_into_its_step(tmp_path, accumulate):
+@pytest.mark.parametrize("clipper", ["max_grad_norm", "spike_guard"])
+def test_clipping_with_a_fused_optimizer_folds_into_its_step(tmp_path, accumulate, clipper):
     """A fused AdamW: the callback folds the coefficient into its grad_scale (no pass over the gradients; the step
     that runs the closure reads it) and trains as gradient_clip_val=1.0, to the fold's rounding (coef_rtol: dividing
     by fl(1 / coef) against multiplying by coef, and the norms' rounding) passed on by each AdamW step."""
     _, reference = _fit(tmp_path / "ref", gradient_clip_val=1.0, accumulate_grad_batches=accumulate,
                         module=FusedAdamW())
-    callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)
+    hook = fh.grad_hook(stats=("norm",))
+    guard = fh.zclip(hook, warmup_steps=10, max_grad_norm=1.0) if clipper == "spike_guard" else None  # warming up:
+    callback = FusedHooksCallback(hook, max_grad_norm=None if guard else 1.0, spike_guard=guard)  # torch's clip
     _, module = _fit(tmp_path / "fh", [callback], accumulate_grad_batches=accumulate, module=FusedAdamW())
     steps, numels = 5 if accumulate == 1 else 3, [p.numel() for p in module.parameters()]
+    if guard is not None:
+        assert guard.count.item() == steps
     assert len(module.grad_scales) == steps and reference.grad_scales == [None] * steps
     # the folded path: grad_scale = 1 / coef = (total norm + 1e-6) / max_norm, consumed by each step
     totals = [torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()

@@ -96,15 +96,19 @@ class RecordGradScale(TrainerCallback):
         optimizer.optimizer.register_step_pre_hook(lambda opt, a, k: self.seen.append(vars(opt).get("grad_scale")))
 
 
-def test_clipping_with_a_fused_optimizer_folds_into_its_step(tmp_path):
+@pytest.mark.parametrize("clipper", ["max_grad_norm", "spike_guard"])
+def test_clipping_with_a_fused_optimizer_folds_into_its_step(tmp_path, clipper):
     """optim="adamw_torch_fused": the callback folds the coefficient into the fused AdamW's grad_scale (no pass over
     the gradients) and trains as Trainer's own max_grad_norm=1.0 does, to the fold's rounding (coef_rtol: dividing by
-    fl(1 / coef) against multiplying by coef, and the norms' rounding) passed on by each AdamW step."""
+    fl(1 / coef) against multiplying by coef, and the norms' rounding) passed on by each AdamW step. A spike guard
+    (fh.zclip) in its warm-up clips by its max_grad_norm as torch does: the same run, the guard stepped each step."""
     steps, lr = 4, 1e-2
     reference, reference_model = _train(tmp_path / "ref", 1.0, 1, max_steps=steps, optim="adamw_torch_fused",
                                         learning_rate=lr)
     recorder = RecordGradScale()
-    callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)
+    hook = fh.grad_hook(stats=("norm",))
+    guard = fh.zclip(hook, warmup_steps=10, max_grad_norm=1.0) if clipper == "spike_guard" else None
+    callback = FusedHooksCallback(hook, max_grad_norm=None if guard else 1.0, spike_guard=guard)
     trainer, model = _train(tmp_path / "fh", 0.0, 1, [callback, recorder], max_steps=steps, optim="adamw_torch_fused",
                             learning_rate=lr)
     logged = [e for e in trainer.state.log_history if "loss" in e]
@@ -113,6 +117,8 @@ def test_clipping_with_a_fused_optimizer_folds_into_its_step(tmp_path):
     assert min(totals) > 1.0  # it clips: the folded grad_scale is 1 / coef = (total norm + 1e-6) / max_norm
     assert [s.item() for s in recorder.seen] == [pytest.approx(t + 1e-6, rel=2 ** -22) for t in totals]
     assert "grad_scale" not in vars(trainer.optimizer.optimizer)  # nothing left behind
+    if guard is not None:
+        assert guard.count.item() == steps  # in its warm-up: every step's norm recorded
     numels = [p.numel() for p in model.parameters()]
     rtol = torch_fp32_norm_rtol(numels)
     for entry, ref in zip(logged, [e for e in reference.state.log_history if "loss" in e]):
@@ -204,6 +210,13 @@ def test_refusals(tmp_path):
         FusedHooksCallback(fh.grad_hook(stats=("norm",)), stats=("norm", "std"))
     with pytest.raises(ValueError, match="top_k= ranks the parameters by their gradient's norm"):
         FusedHooksCallback(fh.grad_hook(stats=("max",)), top_k=3)
+    hook = fh.grad_hook(stats=("norm",))
+    with pytest.raises(TypeError, match="spike_guard= takes a guard made by fh.zclip"):
+        FusedHooksCallback(hook, spike_guard=object())
+    with pytest.raises(ValueError, match="of the hook given to this callback"):
+        FusedHooksCallback(hook, spike_guard=fh.zclip(fh.grad_hook(stats=("norm",))))
+    with pytest.raises(ValueError, match="pass max_grad_norm= or spike_guard=, not both"):
+        FusedHooksCallback(hook, max_grad_norm=1.0, spike_guard=fh.zclip(hook))
     unmatched = FusedHooksCallback(fh.grad_hook(stats=("norm",)), params="transformer.h.9.*")
     with pytest.raises(ValueError, match="params= pattern 'transformer.h.9.\\*' matches none of the hook's "
                                          "parameters \\(transformer.wte.weight, "):

@@ -7,21 +7,35 @@ import math
 from ..api import GradHook
 from ..clip import clip_grad_norm_
 from ..stats import ScalarSelection, scalars_of
+from ..zclip import ZClip
 
 
 class StepCallbackBase:
     """A hook run once per optimizer step by a framework's callback: `max_grad_norm` (clip by the global norm from
     the norms the hook recorded), `log_every` (optimizer steps between logs; None: `default_cadence`, the
     framework's own), `prefix` of the logged keys, `norm_type` of the clip; `stats`, `params`, `top_k`: what is
-    logged, as in `hook.stats.to_scalars` (None: everything)."""
+    logged, as in `hook.stats.to_scalars` (None: everything); `spike_guard`: an `fh.zclip(hook, ...)` guard that
+    clips (or skips the step) at each optimizer step instead of `max_grad_norm` (its own max_grad_norm= caps it).
+    Either way, a fused optimizer gets the coefficient folded into its step (no pass over the gradients)."""
 
     default_cadence = "the framework's logging steps"
 
     def __init__(self, hook: GradHook, max_grad_norm: float | None = None, log_every: int | None = None,
-                 prefix: str = "grad/", norm_type: float = 2.0, stats=None, params=None, top_k: int | None = None):
+                 prefix: str = "grad/", norm_type: float = 2.0, stats=None, params=None, top_k: int | None = None,
+                 spike_guard: ZClip | None = None):
         if not isinstance(hook, GradHook):
             raise TypeError(f"FusedHooksCallback takes a fusedhooks hook (fh.grad_hook(...)), "
                             f"not {type(hook).__name__}")
+        if spike_guard is not None:
+            if not isinstance(spike_guard, ZClip):
+                raise TypeError(f"spike_guard= takes a guard made by fh.zclip(hook, ...), not "
+                                f"{type(spike_guard).__name__}")
+            if spike_guard.hook is not hook:
+                raise ValueError("spike_guard= reads the norms of the callback's own hook: make it with "
+                                 "fh.zclip(hook, ...) of the hook given to this callback")
+            if max_grad_norm is not None:
+                raise ValueError("pass max_grad_norm= or spike_guard=, not both: the guard clips itself (cap it "
+                                 "with fh.zclip(hook, ..., max_grad_norm=...))")
         if max_grad_norm is not None:
             if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or \
                     not 0 < max_grad_norm < math.inf:
@@ -35,15 +49,26 @@ class StepCallbackBase:
         self.selection = ScalarSelection(stats, params, top_k)
         self.selection.check_stats(hook.stats.slot_names)
         self.hook, self.max_grad_norm, self.log_every = hook, max_grad_norm, log_every
+        self.spike_guard = spike_guard
         self.prefix, self.norm_type = prefix, norm_type
         self.total_norm = None  # the last global norm of fh.clip_grad_norm_ (0-dim tensor), before clipping
         self._handle = None  # the hook's registration while training
 
+    @property
+    def clips(self) -> bool:
+        """Does the callback clip at each optimizer step (max_grad_norm= or spike_guard=)?"""
+        return self.max_grad_norm is not None or self.spike_guard is not None
+
     def clip(self, optimizer=None):
-        """fh.clip_grad_norm_ by max_grad_norm now; the total norm before clipping (0-dim tensor). `optimizer`: the
-        torch optimizer whose step comes next: a fused one (`fold.folds_into`) gets the coefficient folded into its
-        grad_scale (no pass over the gradients: its step divides them); any other, or None: scaled in place."""
-        self.total_norm = clip_grad_norm_(self.hook, self.max_grad_norm, norm_type=self.norm_type, optimizer=optimizer)
+        """fh.clip_grad_norm_ by max_grad_norm now, or the spike guard's step; the total norm before clipping (0-dim
+        tensor). `optimizer`: the torch optimizer whose step comes next: a fused one (`fold.folds_into`) gets the
+        coefficient folded into its grad_scale (no pass over the gradients: its step divides them); any other, or
+        None: scaled in place."""
+        if self.spike_guard is not None:
+            self.total_norm = self.spike_guard.step(optimizer)
+        else:
+            self.total_norm = clip_grad_norm_(self.hook, self.max_grad_norm, norm_type=self.norm_type,
+                                              optimizer=optimizer)
         return self.total_norm
 
     def register(self, model, when) -> None:

@@ -54,8 +54,9 @@ class FusedHooksCallback(StepCallbackBase, Callback):
     default_cadence = "the Trainer's log_every_n_steps"
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.max_grad_norm is not None and trainer.gradient_clip_val:
-            raise ValueError(f"FusedHooksCallback(max_grad_norm={self.max_grad_norm}) clips the gradients, and "
+        if self.clips and trainer.gradient_clip_val:
+            raise ValueError(f"FusedHooksCallback(max_grad_norm={self.max_grad_norm}, spike_guard="
+                             f"{self.spike_guard is not None}) clips the gradients, and "
                              f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip them again: leave "
                              "gradient_clip_val unset")
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
@@ -66,7 +67,7 @@ class FusedHooksCallback(StepCallbackBase, Callback):
             raise ValueError(f"FusedHooksCallback does not support strategy {type(trainer.strategy).__name__}: it "
                              "accumulates gradients itself, outside Lightning's loop, so the callback cannot tell "
                              "which backward completes an optimizer step")
-        if self.max_grad_norm is not None:
+        if self.clips:
             if not pl_module.automatic_optimization and len(trainer.optimizers) > 1:
                 raise ValueError(f"FusedHooksCallback(max_grad_norm={self.max_grad_norm}) clips every gradient the "
                                  "hook is registered on by one global norm, at each optimizer step: with manual "
@@ -82,7 +83,7 @@ class FusedHooksCallback(StepCallbackBase, Callback):
             self.register(pl_module, steps)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.max_grad_norm is not None:
+        if self.clips:
             self.clip(optimizer)
         if self.log_every is None:
             log = trainer._logger_connector.should_update_logs

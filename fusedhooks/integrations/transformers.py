@@ -53,8 +53,9 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
     default_cadence = "Trainer's logging_steps"
 
     def __init__(self, hook, max_grad_norm: float | None = None, log_every: int | None = None,
-                 prefix: str = "grad/", norm_type: float = 2.0, stats=None, params=None, top_k: int | None = None):
-        super().__init__(hook, max_grad_norm, log_every, prefix, norm_type, stats, params, top_k)
+                 prefix: str = "grad/", norm_type: float = 2.0, stats=None, params=None, top_k: int | None = None,
+                 spike_guard=None):
+        super().__init__(hook, max_grad_norm, log_every, prefix, norm_type, stats, params, top_k, spike_guard)
         self._clipped = False  # in this optimizer step
         self._gradient_state = None
         self._optimizer = None  # the torch optimizer Trainer steps (accelerate's wrapper taken off)
@@ -64,8 +65,9 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
         return self._gradient_state.sync_gradients
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if self.max_grad_norm is not None and args.max_grad_norm and args.max_grad_norm > 0:
-            raise ValueError(f"FusedHooksCallback(max_grad_norm={self.max_grad_norm}) clips the gradients, and "
+        if self.clips and args.max_grad_norm and args.max_grad_norm > 0:
+            raise ValueError(f"FusedHooksCallback(max_grad_norm={self.max_grad_norm}, spike_guard="
+                             f"{self.spike_guard is not None}) clips the gradients, and "
                              f"TrainingArguments(max_grad_norm={args.max_grad_norm}) would clip them again: set "
                              "TrainingArguments(max_grad_norm=0)")
         if getattr(args, "deepspeed", None) or isinstance(optimizer, DeepSpeedOptimizerWrapper):
@@ -84,8 +86,8 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
 
     def clip_grad_norm(self):
         """Clip by max_grad_norm now, unless done already in this optimizer step; the total norm (0-dim tensor)."""
-        if self.max_grad_norm is None:
-            raise ValueError("this FusedHooksCallback does not clip: pass max_grad_norm=")
+        if not self.clips:
+            raise ValueError("this FusedHooksCallback does not clip: pass max_grad_norm= or spike_guard=")
         if not self._clipped:
             self.clip(self._optimizer)
             self._clipped = True
@@ -94,7 +96,7 @@ class FusedHooksCallback(StepCallbackBase, TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if optimizer is not None:
             self._optimizer = _torch_optimizer(optimizer)
-        if self.max_grad_norm is not None:
+        if self.clips:
             self.clip_grad_norm()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
