@@ -324,12 +324,17 @@ def test_pow_special_bases_match_torch_bit_for_bit(exponent, dtype, backend):
     """IEEE pow at its special bases: (-inf) ** y is +inf / +0.0 for y > 0 / y < 0 unless y is an odd integer
     (then -inf / -0.0), (-0.0) ** y likewise with 0 and inf swapped, negative finite bases give NaN for a
     non-integer y, nan ** 0 and 1 ** y are 1. Results exact in every dtype, so compared bit for bit (signed
-    zeros included)."""
+    zeros included). The one ordinary value, 2.0 ** y for a non-integer y, is rounded by each side's own pow (torch's
+    CPU pow differs between AVX2 and AVX-512 builds by an ulp): within POW_ULPS there."""
     grad = torch.tensor([-INF, -2.0, -1.0, -0.0, 0.0, 1.0, 2.0, INF, NAN], dtype=dtype)
     body = lambda g: g ** exponent  # noqa: E731
     expected = eager_expected(body, grad, grad)
     fire(fh.grad_hook(body, backend=backend), grad)
-    assert_same_bits(grad, expected)
+    rounded = 6 if exponent != int(exponent) else None  # 2.0 ** y
+    exact = [i for i in range(grad.numel()) if i != rounded]
+    assert_same_bits(grad[exact], expected[exact])
+    if rounded is not None:
+        assert_same_values(grad[rounded:rounded + 1], expected[rounded:rounded + 1], ulps=POW_ULPS[dtype])
 
 
 def _ordered(x: torch.Tensor) -> torch.Tensor:
