@@ -11,6 +11,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("FUSEDHOOKS_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache",
                                                            "fusedhooks_kernels"))
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    # torch 2.13's inductor cache does not key its C++ kernels on ATEN_CPU_CAPABILITY: a kernel cached by a run under
+    # avx512 and reused under avx2 crashes (segmentation fault). One cache per capability (subprocesses inherit it).
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{os.environ['ATEN_CPU_CAPABILITY']}"
 
 import pytest  # noqa: E402
 
