@@ -96,6 +96,17 @@ class RecordGradScale(TrainerCallback):
         optimizer.optimizer.register_step_pre_hook(lambda opt, a, k: self.seen.append(vars(opt).get("grad_scale")))
 
 
+class RecordFirstStep(TrainerCallback):
+    """The parameters after the first optimizer step."""
+
+    def __init__(self):
+        self.params = None
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 1:
+            self.params = [p.detach().clone() for p in model.parameters()]
+
+
 @pytest.mark.parametrize("clipper", ["max_grad_norm", "spike_guard"])
 def test_clipping_with_a_fused_optimizer_folds_into_its_step(tmp_path, clipper):
     """optim="adamw_torch_fused": the callback folds the coefficient into the fused AdamW's grad_scale (no pass over
@@ -103,14 +114,15 @@ def test_clipping_with_a_fused_optimizer_folds_into_its_step(tmp_path, clipper):
     fl(1 / coef) against multiplying by coef, and the norms' rounding) passed on by each AdamW step. A spike guard
     (fh.zclip) in its warm-up clips by its max_grad_norm as torch does: the same run, the guard stepped each step."""
     steps, lr = 4, 1e-2
-    reference, reference_model = _train(tmp_path / "ref", 1.0, 1, max_steps=steps, optim="adamw_torch_fused",
-                                        learning_rate=lr)
+    reference_first, first = RecordFirstStep(), RecordFirstStep()
+    reference, reference_model = _train(tmp_path / "ref", 1.0, 1, [reference_first], max_steps=steps,
+                                        optim="adamw_torch_fused", learning_rate=lr)
     recorder = RecordGradScale()
     hook = fh.grad_hook(stats=("norm",))
     guard = fh.zclip(hook, warmup_steps=10, max_grad_norm=1.0) if clipper == "spike_guard" else None
     callback = FusedHooksCallback(hook, max_grad_norm=None if guard else 1.0, spike_guard=guard)
-    trainer, model = _train(tmp_path / "fh", 0.0, 1, [callback, recorder], max_steps=steps, optim="adamw_torch_fused",
-                            learning_rate=lr)
+    trainer, model = _train(tmp_path / "fh", 0.0, 1, [callback, recorder, first], max_steps=steps,
+                            optim="adamw_torch_fused", learning_rate=lr)
     logged = [e for e in trainer.state.log_history if "loss" in e]
     totals = [e["grad/total_norm"] for e in logged]
     assert len(recorder.seen) == steps and all(s is not None for s in recorder.seen)  # the folded path, every step
@@ -125,9 +137,17 @@ def test_clipping_with_a_fused_optimizer_folds_into_its_step(tmp_path, clipper):
         assert entry["grad/total_norm"] == pytest.approx(ref["grad_norm"], rel=rtol, abs=0)  # before clipping
         # a parameter difference within the bound below moves the loss by ~ grad_norm * |dp|: under 1e-5 relative
         assert entry["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    # the first step's gradients are the same in both runs: its parameters differ by the fold's rounding alone. Later
+    # gradients differ with the parameters, and AdamW divides each element by its own gradient's size, so an element
+    # whose gradient is near zero by cancellation turns that into a large relative change (no per-step bound holds
+    # there, and which elements it hits depends on the processor): the end of the run is held to 0.1% of the way
+    # each parameter travelled, which a missing, doubled or wrong clip exceeds many times over
     start = _model()
+    for p, q, s in zip(first.params, reference_first.params, start.parameters()):
+        assert_close_after_steps(p, q, s.detach(), coef_rtol(torch.float32, 2.0, numels), 1)
     for p, q, s in zip(model.parameters(), reference_model.parameters(), start.parameters()):
-        assert_close_after_steps(p.detach(), q.detach(), s.detach(), coef_rtol(torch.float32, 2.0, numels), steps)
+        travelled = (q.detach() - s.detach()).abs().max()
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-3 * travelled.item())
 
 
 def test_statistics_are_those_of_the_accumulated_gradient(tmp_path):
