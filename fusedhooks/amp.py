@@ -12,6 +12,7 @@ bumped afterwards, as any in-place op bumps them: nothing else changes.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch.amp import GradScaler
@@ -88,20 +89,22 @@ class BackwardBooks:
     def __init__(self, state: dict):
         self.state = state
         self.found: dict[torch.device, torch.Tensor] = {}
-        self.unscaled: set[tuple[int, int]] = set()  # (hook key, statistics row) of the gradients it unscaled
+        #: (hook key, statistics row) -> weak reference to the gradient tensor it unscaled
+        self.unscaled: dict[tuple[int, int], weakref.ref] = {}
 
     def __call__(self) -> None:
         commit(self.state, self.found, self.unscaled)
 
 
-def commit(state: dict, found: dict[torch.device, torch.Tensor], unscaled: set[tuple[int, int]]) -> None:
+def commit(state: dict, found: dict[torch.device, torch.Tensor], unscaled: dict[tuple[int, int], weakref.ref]) -> None:
     """Mark the optimizer of `state` as unscaled by fusedhooks, its found_inf per device summed with `found`'s, and
-    the gradients `unscaled` ((hook key, row) pairs) as unscaled until scaler.update() (which replaces `state`)."""
+    the gradients `unscaled` ((hook key, row) -> the gradient tensor) as unscaled until scaler.update() (which
+    replaces `state`)."""
     from torch.amp.grad_scaler import OptState
 
     state["stage"] = OptState.UNSCALED
     state["fusedhooks"] = True
-    state.setdefault("fusedhooks_unscaled", set()).update(unscaled)
+    state.setdefault("fusedhooks_unscaled", {}).update(unscaled)
     books = state["found_inf_per_device"]
     for device, value in found.items():
         kept = books.get(device)

@@ -267,7 +267,8 @@ class GradHook:
         if self._body.scalars:
             self._body.check_scalars()
         buffer, stats_row = self.stats.writable_row(entry.row) if compiled.plan.slots else (None, None)
-        amp_tensors = self.amp_tensors(grad.device, backward_key, [entry.row]) if compiled.plan.amp else None
+        amp_tensors = (self.amp_tensors(grad.device, backward_key, [entry.row], [grad]) if compiled.plan.amp
+                       else None)
         runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
                      self._workspace_for(grad), amp_tensors)
         if buffer is not None:
@@ -310,7 +311,7 @@ class GradHook:
                 check_scalars()
             stats.begin_firing(backward_key)
             buffer, stats_row = stats.writable_row(entry.row) if plan.slots else (None, None)
-            amp_tensors = self.amp_tensors(grad.device, backward_key, [entry.row]) if plan.amp else None
+            amp_tensors = self.amp_tensors(grad.device, backward_key, [entry.row], [grad]) if plan.amp else None
             eager.run(plan, body, grad, param, scalars, stats_row, amp_tensors, self._workspace_for(grad).scratch)
             if buffer is not None:
                 stats.settle(buffer, entry.row)
@@ -349,26 +350,30 @@ class GradHook:
         each launch, when `scalars` is not empty."""
         self._body.check_scalars()
 
-    def amp_tensors(self, device: torch.device, backward_key: int, rows: list[int]) -> tuple[torch.Tensor,
-                                                                                           torch.Tensor]:
-        """(scale, found_inf) for a firing on the gradients of `rows` in the backward `backward_key`; when that
-        backward ends normally, the optimizer is marked as unscaled in the scaler's books with what it found
+    def amp_tensors(self, device: torch.device, backward_key: int, rows: list[int],
+                    grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, found_inf) for a firing on the gradients `grads` of `rows` in the backward `backward_key`; when
+        that backward ends normally, the optimizer is marked as unscaled in the scaler's books with what it found
         (`amp.BackwardBooks`), as scaler.unscale_(optimizer) would, so that scaler.step() neither unscales again
         nor steps on NaN/Inf, and scaler.update() backs off as usual; a backward that raises leaves the books as
-        they were. Outside a backward (a call by hand) the books are kept at once. A gradient an earlier backward
-        already unscaled since the last scaler.update() is refused: the new backward added scaled values to it
-        (gradient accumulation without accumulation_steps=). Host bookkeeping only: no sync."""
+        they were. Outside a backward (a call by hand) the books are kept at once. A gradient tensor this hook
+        already unscaled since the last scaler.update() (in an earlier backward, or earlier in an overlapping one)
+        is refused: a backward added scaled values to it (gradient accumulation without accumulation_steps=). A new
+        gradient tensor (zero_grad(set_to_none=True) after a dropped iteration) is not. Host bookkeeping only."""
         from torch.amp.grad_scaler import OptState
 
         scaler = self.scaler
         state = scaler._per_optimizer_states[id(self.optimizer)]
-        unscaled = state.get("fusedhooks_unscaled")
-        if unscaled and any((self.op_key, row) in unscaled for row in rows):
-            raise RuntimeError(
-                f"fusedhooks: {self.__name__} (scaler=) already unscaled this gradient in an earlier backward since "
-                "the last scaler.update(), and this backward added scaled values to it: with gradient accumulation, "
-                "register the hook with accumulation_steps=n (or when=, or fire it under hook.paused() in the other "
-                "micro-batches) so that it unscales the accumulated gradient once per optimizer step")
+        unscaled = [state.get("fusedhooks_unscaled") or {}]
+        unscaled += [b.unscaled for b in list(self._amp_backwards.values()) if b.state is state]
+        for row, grad in zip(rows, grads):
+            if any((ref := done.get((self.op_key, row))) is not None and ref() is grad for done in unscaled):
+                raise RuntimeError(
+                    f"fusedhooks: {self.__name__} (scaler=) already unscaled this gradient since the last "
+                    "scaler.update(), and a backward added scaled values to it: with gradient accumulation, register "
+                    "the hook with accumulation_steps=n (or when=, or fire it under hook.paused() in the other "
+                    "micro-batches) so that it unscales the accumulated gradient once per optimizer step. After a "
+                    "dropped iteration, call scaler.update() or optimizer.zero_grad(set_to_none=True) first")
         books = self._amp_backwards.get(backward_key) if backward_key >= 0 else None
         if books is None or books.state is not state:
             if state["stage"] is OptState.READY:
@@ -386,9 +391,9 @@ class GradHook:
             found = state["found_inf_per_device"].get(device)
             if found is None:
                 found = self._found_inf_buffer(device, state)
-            amp.commit(state, {device: found}, {(self.op_key, row) for row in rows})
+            amp.commit(state, {device: found}, {(self.op_key, row): weakref.ref(g) for row, g in zip(rows, grads)})
             return scaler._scale, found
-        books.unscaled.update((self.op_key, row) for row in rows)
+        books.unscaled.update({(self.op_key, row): weakref.ref(g) for row, g in zip(rows, grads)})
         found = books.found.get(device)
         if found is None:
             found = books.found[device] = self._found_inf_buffer(device, state, books)

@@ -123,7 +123,7 @@ def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch
             hook.process(entry, grad, p, backward_key)
     if entries:
         rows = [entry.row for entry in entries]
-        amp = hook.amp_tensors(device, backward_key, rows) if plan.amp else None
+        amp = hook.amp_tensors(device, backward_key, rows, grads) if plan.amp else None
         stats = hook.stats.tensor if plan.slots else None
         runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, hook.scalars, stats, hook.workspace(device),
                             amp, None if units is None else tuple(units), tuple(numels))

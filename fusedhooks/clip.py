@@ -245,13 +245,15 @@ def _scale_by_total_norm(hook: GradHook, coefficient, norm_type: float, foreach:
                  .to(layout.first_device) for g in layout.groups]
     total_norm = torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), norm_type)
 
-    clip_coef_clamped = coefficient(total_norm)
     if fold_into is not None and layout.key[-1] and fold_sharded:
         fold_into = None
-    if fold_into is not None:
+    if fold_into is not None:  # refused before the coefficient is computed (a spike guard's state advances there)
         if layout.key[-1]:
             raise ValueError("clip_grad_norm_(optimizer=...) does not fold into the step of sharded (FSDP2) "
                              "parameters: pass optimizer=None to scale the gradients in place")
+        fold.check(fold_into, [e.tensor for e in entries], grads)
+    clip_coef_clamped = coefficient(total_norm)
+    if fold_into is not None:
         fold.fold(fold_into, clip_coef_clamped, [e.tensor for e in entries], grads)
         return total_norm
     exact_coef = exact_coef and not copies  # a copy's version is not the gradient's

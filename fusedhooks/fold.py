@@ -53,11 +53,9 @@ class _Fold:
 _folds: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Fold | None] = weakref.WeakKeyDictionary()
 
 
-def fold(optimizer: torch.optim.Optimizer, coef: torch.Tensor, params: list[torch.Tensor],
-         grads: list[torch.Tensor]) -> None:
-    """Set `optimizer.grad_scale` to (its value so far, or 1) / coef for its next step (`coef`: the 0-dim clip
-    coefficient; `params`, `grads`: the clipped parameters and their gradients, exactly those the optimizer steps).
-    Device ops only: no host sync."""
+def check(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Refuse a fold into `optimizer` of the coefficient of `params`' gradients `grads` (before anything is computed
+    from them: a refusal leaves every state as it was)."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
     if stepped != {id(p) for p in params}:
         raise ValueError(
@@ -69,6 +67,14 @@ def fold(optimizer: torch.optim.Optimizer, coef: torch.Tensor, params: list[torc
         raise ValueError("clip_grad_norm_(optimizer=...) folds the clip coefficient into the optimizer's grad_scale, "
                          "which torch's fused step reads as float32: with float64 gradients pass optimizer=None to "
                          "scale them in place (in float64, as torch does)")
+
+
+def fold(optimizer: torch.optim.Optimizer, coef: torch.Tensor, params: list[torch.Tensor],
+         grads: list[torch.Tensor]) -> None:
+    """Set `optimizer.grad_scale` to (its value so far, or 1) / coef for its next step (`coef`: the 0-dim clip
+    coefficient; `params`, `grads`: the clipped parameters and their gradients, exactly those the optimizer steps).
+    Device ops only: no host sync."""
+    check(optimizer, params, grads)
     if optimizer not in _folds:
         optimizer.register_step_pre_hook(_before_step)
         optimizer.register_step_post_hook(_after_step)

@@ -229,12 +229,14 @@ _skips: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Skip | None] = weakref
 def _arm_skip(optimizer: torch.optim.Optimizer, spike: torch.Tensor) -> None:
     """Have the optimizer's next step skip where `spike` (0-dim bool) is true, through its found_inf."""
     if optimizer not in _skips:
-        optimizer.register_step_pre_hook(_before_step)
+        optimizer.register_step_pre_hook(_step_begins)
         optimizer.register_step_post_hook(_after_step)
     pending = _skips.get(optimizer)
     if pending is not None and pending.installed is not None:  # left by a step that raised
         _restore(optimizer, pending)
     _skips[optimizer] = _Skip(spike.to(torch.float32))
+    if optimizer in _stepping:  # inside the step (its closure, as Lightning runs it): its pre-hook has run already
+        _before_step(optimizer, (), {})
 
 
 def _restore(optimizer: torch.optim.Optimizer, pending: _Skip) -> None:
@@ -249,6 +251,15 @@ def _restore(optimizer: torch.optim.Optimizer, pending: _Skip) -> None:
             del optimizer.grad_scale
     else:
         optimizer.found_inf = pending.previous
+
+
+#: optimizers whose step is running (between its pre- and post-hook): a guard stepped in its closure arms this step
+_stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def _step_begins(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    _stepping.add(optimizer)
+    _before_step(optimizer, args, kwargs)
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -266,6 +277,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    _stepping.discard(optimizer)
     pending = _skips.get(optimizer)
     if pending is not None and pending.installed is not None:
         _restore(optimizer, pending)

@@ -230,8 +230,47 @@ def test_accumulation_unscales_once_per_step_and_a_second_unscale_is_refused(bac
         return [p.detach() for p in model.parameters()]
 
     assert all(torch.equal(p, e) for p, e in zip(run(True), run(False)))
-    with pytest.raises(RuntimeError, match="already unscaled this gradient in an earlier backward.*accumulation_steps"):
+    with pytest.raises(RuntimeError, match="already unscaled this gradient since the last scaler.update.*"
+                                           "accumulation_steps"):
         run(True, accumulation_steps=None)
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 25], ids=["per-firing", "buckets"])
+def test_a_dropped_iteration_is_no_second_unscale(backend, bucket_mb):
+    """A backward, then the iteration dropped (zero_grad(set_to_none=True), no step): the next backward's new
+    gradients are unscaled as usual, the step equal to torch's recipe on that backward alone."""
+    def run(use_hook):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        if use_hook:
+            fh.grad_hook(scaler=scaler, optimizer=opt, backend=backend).register(model, bucket_mb=bucket_mb)
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
+        scaler.scale(model(x).square().mean()).backward()
+        opt.zero_grad(set_to_none=True)  # dropped
+        scaler.scale(model(x * 2).square().mean()).backward()
+        if not use_hook:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        return [p.detach() for p in model.parameters()]
+
+    assert all(torch.equal(p, e) for p, e in zip(run(True), run(False)))
+
+
+def test_a_parameter_inside_and_after_a_reentrant_checkpoint_is_not_unscaled_twice(backend):
+    """A layer used inside a reentrant checkpoint and again after it: its gradient accumulates in the outer and in the
+    nested backward, each firing once, the second on the already unscaled gradient plus scaled values (silently
+    wrong before): refused."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    fh.grad_hook(scaler=scaler, optimizer=opt, backend=backend).register(layer)
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="already unscaled this gradient"):
+        scaler.scale(layer(checkpoint(layer, x, use_reentrant=True)).sum()).backward()
 
 
 @pytest.mark.parametrize("bucket_mb", [None, 25], ids=["per-firing", "buckets"])

@@ -291,3 +291,16 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="does not support strategy AccumulatingStrategy"):
         _fit(tmp_path, [FusedHooksCallback(fh.grad_hook(stats=("norm",)))],
              strategy=AccumulatingStrategy(device=torch.device("cpu")))
+
+
+def test_float64_with_a_fused_optimizer_is_scaled_in_place(tmp_path):
+    """precision="64-true" with a fused AdamW: a fused step reads grad_scale as float32, so the callback scales the
+    float64 gradients in place instead of folding (it raised before), and trains as gradient_clip_val=1.0: the same
+    torch ops on the same float64 values but for the norms' rounding (float64 sums, 1e-12)."""
+    _, reference = _fit(tmp_path / "ref", gradient_clip_val=1.0, precision="64-true", module=FusedAdamW())
+    callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)
+    _, module = _fit(tmp_path / "fh", [callback], precision="64-true", module=FusedAdamW())
+    assert module.grad_scales == [None] * 5  # not folded
+    for p, q in zip(module.parameters(), reference.parameters()):
+        assert p.dtype == torch.float64
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)

@@ -453,3 +453,54 @@ def test_hook_without_norm_refused():
     with pytest.raises(TypeError, match="fusedhooks hook"):
         fh.zclip(torch.nn.Linear(2, 2))
     fh.zclip(fh.grad_hook(stats=("sumsq",)))  # the norms follow from sumsq as well
+
+
+@pytest.mark.parametrize("in_closure", [False, True], ids=["after_backward", "in_the_step_closure"])
+def test_skip_armed_inside_the_steps_closure_skips_that_step(in_closure):
+    """guard.step(opt) inside opt.step(closure) (as Lightning's on_before_optimizer_step runs), after the step's
+    pre-hook: the spike's step is skipped all the same, and only that one."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    hook = fh.grad_hook(stats=("norm",), backend="eager")
+    hook.register(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    guard = fh.zclip(hook, warmup_steps=3, on_spike="skip")
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    skipped = []
+    for step in range(8):
+        def closure(scale=1000.0 if step == 5 else 1.0):
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean() * scale
+            loss.backward()
+            if in_closure:
+                guard.step(opt)
+            return loss
+
+        before = [p.detach().clone() for p in model.parameters()]
+        if in_closure:
+            opt.step(closure)
+        else:
+            closure()
+            guard.step(opt)
+            opt.step()
+        skipped.append(all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
+        assert bool(guard.spike) == (step == 5)
+        assert "found_inf" not in vars(opt)
+    assert skipped == [step == 5 for step in range(8)]
+
+
+def test_a_refused_fold_leaves_the_guards_state_as_it_was():
+    """float64 gradients cannot be folded into a fused step (grad_scale is read as float32): refused before the
+    rule advances, so a retry with optimizer=None counts the step once."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).double()
+    hook = fh.grad_hook(stats=("norm",), backend="eager")
+    hook.register(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    guard = fh.zclip(hook, warmup_steps=3, max_grad_norm=0.1)
+    model(torch.randn(16, 8, dtype=torch.float64)).pow(2).sum().backward()
+    with pytest.raises(ValueError, match="float64 gradients"):
+        guard.step(opt)
+    assert guard.count.item() == 0 and guard.norms.tolist() == [0.0, 0.0, 0.0]
+    guard.step(None)
+    assert guard.count.item() == 1

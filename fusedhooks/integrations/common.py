@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..api import GradHook
 from ..clip import clip_grad_norm_
 from ..stats import ScalarSelection, scalars_of
@@ -64,6 +66,9 @@ class StepCallbackBase:
         tensor). `optimizer`: the torch optimizer whose step comes next: a fused one (`fold.folds_into`) gets the
         coefficient folded into its grad_scale (no pass over the gradients: its step divides them); any other, or
         None: scaled in place."""
+        if optimizer is not None and any(p.grad is not None and p.grad.dtype == torch.float64
+                                         for group in optimizer.param_groups for p in group["params"]):
+            optimizer = None  # a fused step reads grad_scale as float32: float64 gradients are scaled in place
         if self.spike_guard is not None:
             self.total_norm = self.spike_guard.step(optimizer)
         else:
