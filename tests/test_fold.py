@@ -12,18 +12,27 @@ from helpers import FUSED_OPTIMIZERS, assert_close_after_steps, coef_rtol, optim
 STEPS, MAX_NORM = 4, 0.5
 
 
-def make_model(dtype):
+def make_model(dtype, narrow=False):
+    """narrow: a hidden width of 1, so that every parameter has fewer than 16 elements (see `narrow_for`)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5)).to(dtype)
+    hidden = 1 if narrow else 16
+    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 5)).to(dtype)
+
+
+def narrow_for(name, dtype) -> bool:
+    """torch 2.13's fused CPU SGD steps bfloat16 tensors of 16 or more elements wrongly (its parameters end up 0.4-0.9
+    away from SGD(fused=False) after 3 steps, momentum or not; below 16 elements they agree), so the reference
+    recipe and the fold are compared on a model whose parameters all have fewer than 16 elements there."""
+    return name == "SGD" and dtype == torch.bfloat16
 
 
 def train(make_optimizer, dtype, use_fh, backend, with_scaler=False, norm_type=2.0, inf_step=None, steps=STEPS,
-          accumulation=1):
+          accumulation=1, narrow=False):
     """`steps` steps (each of `accumulation` micro-batches) of torch's recipe (clip_grad_norm_ after unscale_, then
     step) or of fusedhooks' (a statistics hook, with scaler= when there is a GradScaler, and
     fh.clip_grad_norm_(..., optimizer=opt)); the loss is large enough that every step clips. Returns (model,
     optimizer, total norms, scales)."""
-    model = make_model(dtype)
+    model = make_model(dtype, narrow)
     opt = make_optimizer(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if with_scaler else None
     if use_fh:
@@ -60,14 +69,11 @@ def train(make_optimizer, dtype, use_fh, backend, with_scaler=False, norm_type=2
 
 
 def assert_trains_as_torch(name, dtype, backend, **kwargs):
-    if name == "SGD" and dtype == torch.bfloat16:
-        pytest.skip("torch's fused CPU SGD is wrong on bfloat16 tensors of 16 or more elements, grad_scale or not "
-                    "(torch 2.13: its momentum buffer and parameters differ from SGD(fused=False) by orders of "
-                    "magnitude), so it cannot serve as the reference")
+    kwargs["narrow"] = narrow_for(name, dtype)
     expected_model, expected_opt, expected_totals, expected_scales = train(FUSED_OPTIMIZERS[name], dtype, False,
                                                                            backend, **kwargs)
     model, opt, totals, scales = train(FUSED_OPTIMIZERS[name], dtype, True, backend, **kwargs)
-    start = make_model(dtype)
+    start = make_model(dtype, kwargs["narrow"])
     delta = coef_rtol(dtype, kwargs.get("norm_type", 2.0), [p.numel() for p in start.parameters()])
     assert scales == expected_scales
     for total, expected in zip(totals, expected_totals):
@@ -89,13 +95,18 @@ def test_folded_clip_trains_as_torchs_clip_and_step(name, dtype, backend):
     assert_trains_as_torch(name, dtype, backend)
 
 
-#: the 50-step runs: every fused optimizer on the eager backend; the Triton kernels (interpreted: 20x slower) with AdamW
-FIFTY_STEP_CASES = [(name, "eager") for name in FUSED_OPTIMIZERS] + [("AdamW", "triton")]
+#: the 50-step runs: every fused optimizer on the eager backend; the Triton kernels (interpreted: 20x slower) with
+#: AdamW. Not SGD in bfloat16: torch's fused CPU SGD is wrong there from 16 elements on (see `narrow_for`), and on the
+#: narrow model momentum SGD rounds its bf16 parameters to a neighbour within a few steps, after which the two runs'
+#: later norms drift apart by more than one step's rounding; the 4-step tests cover it on the narrow model.
+FIFTY_STEP_CASES = [(name, "eager", dtype) for name in FUSED_OPTIMIZERS for dtype in (torch.float32, torch.bfloat16)
+                    if not (name == "SGD" and dtype == torch.bfloat16)]
+FIFTY_STEP_CASES += [("AdamW", "triton", dtype) for dtype in (torch.float32, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("with_scaler", [False, True], ids=["plain", "grad_scaler"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name, fifty_backend", FIFTY_STEP_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("name, fifty_backend, dtype", FIFTY_STEP_CASES,
+                         ids=lambda v: str(v).removeprefix("torch."))
 def test_fifty_accumulated_steps_train_as_torchs(name, fifty_backend, dtype, with_scaler):
     """50 optimizer steps of 2 accumulated micro-batches each (the hook registered with accumulation_steps=2: it
     fires on the accumulated gradient), with and without a GradScaler (step 7 overflows). The fold does not depend

@@ -47,8 +47,8 @@ def _git(*args: str) -> str:
 def checkout(tmp_path_factory) -> Path:
     """A copy of the files git would check out (tracked and untracked, not ignored), links kept as links: what a
     `git clone` of this tree holds, without the build outputs an install leaves next to the sources."""
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("needs a git checkout of the repository")
+    assert shutil.which("git") is not None and (ROOT / ".git").exists(), \
+        "tests/test_layout.py checks what a git clone holds: run it from a git checkout of the repository, with git"
     copy = tmp_path_factory.mktemp("layout") / "src"
     for name in _git("ls-files", "-co", "--exclude-standard", "-z").split("\0"):
         source = ROOT / name
