@@ -251,10 +251,11 @@ def _scale_by_total_norm(hook: GradHook, coefficient, norm_type: float, foreach:
         if layout.key[-1]:
             raise ValueError("clip_grad_norm_(optimizer=...) does not fold into the step of sharded (FSDP2) "
                              "parameters: pass optimizer=None to scale the gradients in place")
-        fold.check(fold_into, [e.tensor for e in entries], grads)
+        params = [e.tensor for e in entries]
+        fold.check(fold_into, params, grads)
     clip_coef_clamped = coefficient(total_norm)
     if fold_into is not None:
-        fold.fold(fold_into, clip_coef_clamped, [e.tensor for e in entries], grads)
+        fold.fold(fold_into, clip_coef_clamped, params, grads)
         return total_norm
     exact_coef = exact_coef and not copies  # a copy's version is not the gradient's
     for g in layout.groups:

@@ -72,9 +72,8 @@ def check(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: l
 def fold(optimizer: torch.optim.Optimizer, coef: torch.Tensor, params: list[torch.Tensor],
          grads: list[torch.Tensor]) -> None:
     """Set `optimizer.grad_scale` to (its value so far, or 1) / coef for its next step (`coef`: the 0-dim clip
-    coefficient; `params`, `grads`: the clipped parameters and their gradients, exactly those the optimizer steps).
-    Device ops only: no host sync."""
-    check(optimizer, params, grads)
+    coefficient; `params`, `grads`: the clipped parameters and their gradients, exactly those the optimizer steps,
+    as `check` found them before the coefficient was computed). Device ops only: no host sync."""
     if optimizer not in _folds:
         optimizer.register_step_pre_hook(_before_step)
         optimizer.register_step_post_hook(_after_step)
