@@ -436,6 +436,13 @@ class AmpClip(Workload):
 
     def builtin(self, env):
         scaler = self.scaler(env)
+        try:  # torch 2.11's CUDA unscale kernel has no bf16 (measured on an H200)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [torch.zeros(1, dtype=env.dtype, device=env.device)], torch.zeros(1, device=env.device),
+                torch.ones(1, device=env.device))
+        except (NotImplementedError, RuntimeError) as e:
+            raise NotApplicable(f"torch {torch.__version__}'s GradScaler does not unscale {env.dtype} gradients on "
+                                f"{env.device.type}: {str(e).splitlines()[0][:120]}") from None
 
         def after():
             scaler.unscale_(env.optimizer)

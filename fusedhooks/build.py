@@ -83,6 +83,10 @@ def families() -> dict[str, object]:
         "standardise": grad_hook(lambda g: (g - g.mean()) / (g.std() + 1e-6)),
         "weight-decay(param)": grad_hook(lambda g, p: g + 1e-4 * p),
         "pow+selects": grad_hook(lambda g: torch.maximum(g.clamp(min=-1.0), g.abs() ** 1.7)),
+        # CUDA's math library (libdevice) as torch's CUDA kernels call it; torch's CUDA forms of pow and division
+        "transcendentals": grad_hook(lambda g: torch.exp(g.clamp(max=20.0)) + torch.log(g.abs() + 1e-3)
+                                     + (g.abs() + 1.0).rsqrt()),
+        "integer-pow+divide": grad_hook(lambda g: g ** 3 + g ** -2 + g / 7),
         "broadcast-result": grad_hook(lambda g: g.abs().amax() * scale, input_stats=("norm",)),  # a 0-dim result
         "agc(rows, one pass)": agc(0.01, stats=("norm",)),
         "column-norm(two passes)": grad_hook(lambda g: g / (g.norm(dim=0, keepdim=True) + 1e-6)),
@@ -105,11 +109,14 @@ def _plans(hook, dtype: torch.dtype):
                                   distributed.partial_stats(hook.input_stat_names), hist_range=hook.hist_range)
 
 
-def kernels(dtypes=("fp32", "bf16", "fp16", "fp64")):
-    """(family, dtype name, kernel name, JITFunction, signature, constexprs) of everything the runtime launches."""
+def kernels(dtypes=("fp32", "bf16", "fp16", "fp64"), only: str | None = None):
+    """(family, dtype name, kernel name, JITFunction, signature, constexprs) of everything the runtime launches (only:
+    that family alone, a families() name or "global-clip-scale")."""
     from . import codegen, dims, runtime
 
     for family, hook in families().items():
+        if only is not None and family != only:
+            continue
         for dname in dtypes:
             dtype = DTYPES[dname]
             for variant, plan in _plans(hook, dtype):
@@ -122,6 +129,8 @@ def kernels(dtypes=("fp32", "bf16", "fp16", "fp64")):
     from .kernels import multi_tensor
     from .kernels.multi_tensor import TL_DTYPES
 
+    if only is not None and only != "global-clip-scale":
+        return
     block, chunk = multi_tensor.launch_config([1 << 24], "cuda")
     for dname in dtypes:
         dtype = DTYPES[dname]
@@ -135,9 +144,9 @@ def kernels(dtypes=("fp32", "bf16", "fp16", "fp64")):
 
 
 def build(target: str, dtypes=("fp32", "bf16", "fp16", "fp64"), num_warps: int | None = None,
-          bar: bool = True) -> list[KernelReport]:
-    """Compile every kernel for `target` (a TARGETS key) and report on each; progress on stderr (bar: see
-    progress.Progress)."""
+          bar: bool = True, only: str | None = None) -> list[KernelReport]:
+    """Compile every kernel (only: of that family, see `kernels`) for `target` (a TARGETS key) and report on each;
+    progress on stderr (bar: see progress.Progress)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -148,7 +157,7 @@ def build(target: str, dtypes=("fp32", "bf16", "fp16", "fp64"), num_warps: int |
     backend, arch, warp = TARGETS[target]
     gpu = GPUTarget(backend, arch, warp)
     reports = []
-    everything = list(kernels(dtypes))
+    everything = list(kernels(dtypes, only))
     progress = Progress(len(everything), f"fusedhooks build {target}", bar=bar)
     for family, dname, name, fn, signature, constexprs in everything:
         progress.step(f"{family} {dname} {name}")
@@ -235,8 +244,8 @@ def _hip_report(report: KernelReport, asm: str) -> None:
 
 
 def main(args) -> int:
-    """`python -m fusedhooks build`: print the report for each target (built in parallel processes, one per
-    target); --json writes the reports; exit 1 if any kernel failed to build. A bad argument raises
+    """`python -m fusedhooks build`: print the report for each target (each family for each target built in a pool of
+    processes, one per core); --json writes the reports; exit 1 if any kernel failed to build. A bad argument raises
     argparse.ArgumentTypeError, which the command line reports as a usage error."""
     import concurrent.futures
     import dataclasses
@@ -255,11 +264,13 @@ def main(args) -> int:
     bad = [d for d in dtypes if d not in DTYPES]
     if bad:
         raise argparse.ArgumentTypeError(f"--dtypes: unknown {bad[0]!r}; known: {', '.join(DTYPES)}")
+    tasks = [(target, family) for target in targets for family in (*families(), "global-clip-scale")]
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(targets), os.cpu_count() or 1),
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(tasks), os.cpu_count() or 1),
                                                 mp_context=context) as pool:
-        results = list(pool.map(build, targets, [dtypes] * len(targets), [args.num_warps] * len(targets),
-                                [len(targets) == 1] * len(targets)))  # one bar, or lines from every process
+        built = list(pool.map(build, *zip(*[(target, dtypes, args.num_warps, False, family)
+                                             for target, family in tasks])))  # progress: lines from every process
+    results = [[r for (t, _), reports in zip(tasks, built) if t == target for r in reports] for target in targets]
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

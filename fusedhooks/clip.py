@@ -39,11 +39,13 @@ class _Group:
     members: list[int]  # indices into the list of counted gradients
     round_coef: bool  # CUDA torch rounds a coefficient of another dtype to the gradients' dtype first
     table: multi_tensor.ScaleTable | None = None  # built on the first Triton launch
+    table_addresses: tuple = ()  # the gradients' data_ptr()s the table was built for: rebuilt when they move
 
 
 @dataclass
 class _Layout:
-    """What clipping a given set of gradients needs, cached while their addresses stay the same."""
+    """What clipping a given set of gradients needs, cached while their rows, devices, sizes and dtypes stay the same
+    (new gradient tensors at every step keep it; the groups' scale tables follow their addresses)."""
 
     key: tuple
     groups: list[_Group]
@@ -219,7 +221,6 @@ def _scale_by_total_norm(hook: GradHook, coefficient, norm_type: float, foreach:
                                             e.measured.describes(g) and torch.equal(c, g))
                      for e, g, c in zip(entries, grads, given)]
         grads = list(given)
-        key = tuple(0 if i % 4 == 1 else k for i, k in enumerate(key[:-1])) + key[-1:]  # new copies each call
     else:
         described = [_has_row(hook, e) and e.measured.describes(g, bumps) for e, g in zip(entries, grads)]
     if not grads:
@@ -268,8 +269,9 @@ def _scale_by_total_norm(hook: GradHook, coefficient, norm_type: float, foreach:
             else:
                 torch._foreach_mul_(group_grads, coef)
             continue
-        if g.table is None or copies:
-            g.table = _multi_tensor().build_table(group_grads)
+        addresses = tuple(t.data_ptr() for t in group_grads)
+        if g.table is None or copies or g.table_addresses != addresses:
+            g.table, g.table_addresses = _multi_tensor().build_table(group_grads), addresses
         _multi_tensor().scale_(g.table, coef, round_coef=g.round_coef, launch=runtime.launch)
         # written through raw pointers: tell autograd and every hook's record, as mul_ would (with max_norm=inf too:
         # a NaN coefficient writes NaN, which another hook sharing the parameter must not take for its norm)
@@ -383,7 +385,7 @@ def _collect(hook: GradHook) -> tuple[list[torch.Tensor], list[Entry], tuple]:
             g = g._local_tensor
         grads.append(g)
         entries.append(entry)
-        key += (entry.row, g.data_ptr(), g.numel(), g.dtype)
+        key += (entry.row, g.device, g.numel(), g.dtype)  # not the address: new tensors each step keep the layout
     return grads, entries, tuple(key + [tuple(sharded)])
 
 
@@ -401,10 +403,10 @@ def _build_layout(hook: GradHook, grads: list[torch.Tensor], key: tuple, slot: i
     if slot is not None:
         device = hook.stats.device
         n_slots = len(hook.stats.slot_names)
-        index = torch.tensor([rows[i] * n_slots + slot for i in order], dtype=torch.int64).to(device)
+        index = runtime.host_to_device([rows[i] * n_slots + slot for i in order], torch.int64, device)
         empty = [grads[i].numel() == 0 and i not in sharded for i in order]  # a shard's row: the whole's norm
         if any(empty):
-            empty_mask = torch.tensor(empty).to(device)
+            empty_mask = runtime.host_to_device(empty, torch.bool, device)
     return _Layout(key, groups, index, empty_mask, grads[0].device)
 
 

@@ -119,8 +119,19 @@ def literal(value, ctype: str) -> str:
         bits = 32 if ctype == "tl.int32" else 64
         return f"tl.full([], {(int(value) + 2 ** (bits - 1)) % 2 ** bits - 2 ** (bits - 1)}, {ctype})"
     v = float(value)
+    if v == 0.0 and math.copysign(1.0, v) < 0:
+        return full("[]", v, ctype)
     text = _float_text(v)
     return text if ctype == "tl.float32" and math.isfinite(v) else f"tl.full([], {text}, {ctype})"
+
+
+def full(shape: str, value, ctype: str) -> str:
+    """`tl.full(shape, value, ctype)` as source. A float -0.0 is built from its bits: triton 3.6 makes every scalar
+    constant equal to 0 a +0.0 (semantic.scalar_constant), on the GPU and in the interpreter."""
+    if ctype in _FLOAT_CT and float(value) == 0.0 and math.copysign(1.0, float(value)) < 0:
+        bits, ints = ("0x8000000000000000", "tl.uint64") if ctype == "tl.float64" else ("0x80000000", "tl.uint32")
+        return f"tl.full({shape}, {bits}, {ints}).to({ctype}, bitcast=True)"
+    return f"tl.full({shape}, {_fill_value(value, ctype)}, {ctype})"
 
 
 def _convert(expr: str, src: str, dst: str) -> str:
@@ -137,6 +148,9 @@ class _Emitter:
         self.plan = plan
         self.graph = plan.graph
         self.device_type = device_type
+        #: CUDA's own math library (what torch's CUDA kernels call: expf, logf, rsqrtf, powf) for transcendentals;
+        #: the interpreter has no libdevice, so interpreted kernels use tl's (on CUDA tensors too)
+        self.libdevice = device_type == "cuda" and not config.triton_interpret()
         self.lines: list[str] = []
         self.names: dict[int, str] = {}
         #: lanes of the kernel's block (a name or a number), for values built from nothing (fills)
@@ -186,15 +200,16 @@ class _Emitter:
             return f"{v('input')} * {v('other')}"
         if op == "div":
             other = a["other"]
+            if self.device_type == "cuda" and other.kind == "const" and ct in _FLOAT_CT:
+                # torch's CUDA kernel (div_true_kernel_cuda) multiplies by the reciprocal of a Python-number
+                # divisor, computed in the op's math type (fp32 for fp32/fp16/bf16, fp64 for fp64)
+                divisor = torch.tensor(float(other.value), dtype=torch.float64 if ct == "tl.float64" else None)
+                return f"{v('input')} * {literal((1.0 / divisor).item(), ct)}"
             if ct == "tl.float32":
-                if self.device_type == "cuda" and other.kind == "const":
-                    # torch's CUDA kernel multiplies by the fp32 reciprocal of a Python-number divisor
-                    recip = (torch.tensor(1.0) / torch.tensor(float(other.value))).item()
-                    return f"{v('input')} * {literal(recip, ct)}"
                 return f"tl.math.div_rn({v('input')}, {v('other')})"
             return f"{v('input')} / {v('other')}"
-        if op == "neg":
-            return f"-{v('input')}"
+        if op == "neg":  # triton 3.6 compiles -x as 0 - x, which leaves +0.0 positive
+            return f"negate({v('input')})" if is_float else f"-{v('input')}"
         if op == "abs":
             return f"tl.abs({v('input')})"
         if op == "sign":
@@ -203,11 +218,9 @@ class _Emitter:
         if op == "sqrt":
             return f"tl.math.sqrt_rn({v('input')})" if ct == "tl.float32" else f"tl.sqrt({v('input')})"
         if op == "rsqrt":
-            if ct == "tl.float32":
-                return f"tl.math.div_rn(1.0, tl.math.sqrt_rn({v('input')}))"
-            return f"1.0 / tl.sqrt({v('input')})"
+            return self.rsqrt(v("input"), ct)
         if op in ("exp", "log"):
-            return f"tl.{op}({v('input')})"
+            return f"{'libdevice' if self.libdevice else 'tl'}.{op}({v('input')})"
         if op == "reciprocal":
             return f"tl.math.div_rn(1.0, {v('input')})" if ct == "tl.float32" else f"1.0 / {v('input')}"
         if op == "square":
@@ -254,12 +267,20 @@ class _Emitter:
                     f"{literal(posinf, out)}, tl.where({x} == float(\"-inf\"), {literal(neginf, out)}, {x})))")
         if op in ("zeros_like", "ones_like", "full_like", "fill", "zero"):
             value = {"zeros_like": 0, "ones_like": 1, "zero": 0}.get(op, a.get("fill_value", a.get("value")))
-            return f"tl.full([{self.block}], {_fill_value(value, ct)}, {ct})"
+            return full(f"[{self.block}]", value, ct)
         if op == "copy":
             return self.value(a["src"], ct)
         if op in ("to", "unsqueeze"):  # unsqueeze: the same values, read where the dims put them (dims.input_map)
             return self.value(a["input"], ct)
         raise NotImplementedError(f"codegen has no rule for {op}")  # trace.py admits only ops with rules
+
+    def rsqrt(self, x: str, ct: str) -> str:
+        """1 / sqrt(x) as torch computes it on this device (the op and pow(x, -0.5) on CUDA)."""
+        if self.libdevice:
+            return f"libdevice.rsqrt({x})"
+        if ct == "tl.float32":
+            return f"tl.math.div_rn(1.0, tl.math.sqrt_rn({x}))"
+        return f"1.0 / tl.sqrt({x})"
 
     def select(self, which: str, x: str, y: str, y_node: Node, is_float: bool) -> str:
         """max(x, y) or min(x, y) (`which`) as torch's `maximum`/`minimum(x, y)` and a lower/upper clamp bound y
@@ -279,16 +300,18 @@ class _Emitter:
         return f"tl.where({beyond}, {y}, {x})"
 
     def pow(self, x: str, e, ct: str, dtype: torch.dtype) -> str:
-        """x ** e (a compile-time exponent) as torch's pow_tensor_scalar kernel computes it.
+        """x ** e (a compile-time exponent) as torch's pow_tensor_scalar kernel on this device computes it.
 
         On CPU, torch rounds the exponent to fp16/bf16 for those dtypes; float16 goes through C pow
         for every exponent (so (-0.0) ** 0.5 is +0.0); bfloat16 computes x**3 and x**-2 in bf16 steps.
-        On CUDA every dtype follows the float32 rules (from torch's source; not yet measured).
+        On CUDA: see `pow_cuda`.
         """
         e = float(e)
+        if self.device_type == "cuda":
+            return self.pow_cuda(x, e, ct, dtype)
         div = (lambda p, q: f"tl.math.div_rn({p}, {q})") if ct == "tl.float32" else (lambda p, q: f"{p} / {q}")
         sqrt = "tl.math.sqrt_rn" if ct == "tl.float32" else "tl.sqrt"
-        cpu_half = dtype if self.device_type == "cpu" and dtype in _ROUND else None
+        cpu_half = dtype if dtype in _ROUND else None
         if cpu_half is torch.float16 or (cpu_half is torch.bfloat16 and e not in (0.5, -0.5, -1.0)):
             e = torch.tensor(e).to(cpu_half).item()
         square = self.rounded(f"{x} * {x}", dtype) if cpu_half is torch.bfloat16 else f"({x} * {x})"
@@ -299,6 +322,38 @@ class _Emitter:
                    0.5: root, -0.5: div("1.0", root), -1.0: div("1.0", x), -2.0: div("1.0", square)}
         if e in special:
             return special[e]
+        return self.pow_general(x, e, ct)
+
+    def pow_cuda(self, x: str, e: float, ct: str, dtype: torch.dtype) -> str:
+        """x ** e as torch's CUDA kernel (PowKernel.cu; measured on an H200, torch 2.11): 0.5, -0.5 and -1 go to the
+        sqrt, rsqrt and reciprocal kernels; any other exponent is first rounded to the tensor's dtype, then 2, 3 and -2
+        are computed as base * base (* base), 1.0 / (base * base) in the dtype's own arithmetic (fp16/bf16 round
+        after each multiply; the division is in double), the rest by C pow (powf/pow)."""
+        if e == 0.5:
+            return f"tl.math.sqrt_rn({x})" if ct == "tl.float32" else f"tl.sqrt({x})"
+        if e == -0.5:
+            return self.rsqrt(x, ct)
+        if e == -1.0:
+            return f"tl.math.div_rn(1.0, {x})" if ct == "tl.float32" else f"1.0 / {x}"
+        if dtype != torch.float64:
+            e = torch.tensor(e).to(dtype if dtype in _ROUND else torch.float32).item()
+        square = self.rounded(f"{x} * {x}", dtype)
+        if e == 0.0:
+            return f"tl.full([{self.block}], 1.0, {ct})"
+        if e == 1.0:
+            return x
+        if e == 2.0:
+            return f"{x} * {x}"
+        if e == 3.0:
+            return f"{square} * {x}"
+        if e == -2.0:
+            return f"1.0 / ({square})" if ct == "tl.float64" else f"(1.0 / ({square}).to(tl.float64)).to({ct})"
+        if self.libdevice:
+            return f"libdevice.pow({x}, tl.full([], {_float_text(e)}, {ct}))"
+        return self.pow_general(x, e, ct)
+
+    def pow_general(self, x: str, e: float, ct: str) -> str:
+        """x ** e by C pow's rules (kernels/elementwise.py's pow_scalar), for an exponent with no special case."""
         is_int = e.is_integer() or math.isinf(e)  # C pow treats +-inf as an even integer: (-2) ** inf == inf
         odd = e.is_integer() and int(e) % 2 == 1
         hi, lo = split_exponent(e)
@@ -714,7 +769,7 @@ class _KernelWriter:
             r = g.result
             expr = em.result_value(ct)
             if r.kind == "const":
-                expr = f"tl.full([{em.block}], {_fill_value(r.value, ct)}, {ct})"
+                expr = full(f"[{em.block}]", r.value, ct)
             elif not r.full:  # without arithmetic, which would turn -0.0 into 0.0
                 expr = f"tl.broadcast_to({expr}, [{em.block}])"
             if g.grad_dtype in _ROUND and r.dtype != g.grad_dtype:
@@ -1144,8 +1199,10 @@ def generate_with_spec(plan: Plan, device_type: str) -> tuple[str, LaunchSpec]:
         f"# Generated by fusedhooks for {plan.graph.grad_dtype} gradients on {device_type}. Do not edit.",
         "import triton",
         "import triton.language as tl",
+        "from triton.language.extra import libdevice",
         "",
-        "from fusedhooks.kernels.elementwise import bf16_to_fp32, pow_scalar, round_to_bf16, round_to_fp16, to_bf16",
+        "from fusedhooks.kernels.elementwise import (bf16_to_fp32, negate, pow_scalar, round_to_bf16, round_to_fp16,",
+        "                                            to_bf16)",
         "from fusedhooks.kernels.stats import finalize_stats, hist_accumulate, hist_flush, store_partials",
         *(["from fusedhooks.kernels.units import as_units, to_lanes"]
           if plan.units is not None else []),

@@ -148,6 +148,15 @@ WORKSPACE_BUFFERS = {
 _interpreter_lock = threading.Lock()
 
 
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of `values` on `device`, without a host sync: to a CUDA device through pinned memory, copied
+    stream-ordered (a pageable copy is synchronising; the pinned block is not reused before the copy is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def aligned(*tensors: torch.Tensor | None) -> bool:
     """The kernels' ALIGNED hint: every tensor's address 16-byte aligned and its size a multiple of 16 bytes
     (then the mask is uniform over each 16 bytes and loads and stores are 128-bit vectors)."""

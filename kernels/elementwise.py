@@ -37,6 +37,16 @@ def round_to_fp16(x):
 
 
 @triton.jit
+def negate(x):
+    """x: fp32/fp64 [BLOCK] -> -x by flipping the sign bit, as torch's neg: -(+0.0) is -0.0 (triton 3.6 compiles
+    `-x` as 0 - x, which gives +0.0), and NaN changes sign too."""
+    if x.dtype == tl.float64:
+        return (x.to(tl.uint64, bitcast=True) ^ 0x8000000000000000).to(tl.float64, bitcast=True)
+    else:
+        return (x.to(tl.uint32, bitcast=True) ^ 0x80000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _exp2_int(n):
     """2.0 ** n for an int64 n in [-1022, 1023], exactly (built from the exponent bits)."""
     return ((n + 1023) << 52).to(tl.float64, bitcast=True)
@@ -97,7 +107,7 @@ def pow_scalar(x, exponent: tl.constexpr, EXPONENT_IS_INT: tl.constexpr, EXPONEN
     if EXPONENT_IS_INT:
         if EXPONENT_IS_ODD:
             negative = x64.to(tl.int64, bitcast=True) < 0  # the sign bit: (-0.0) ** -3 is -inf
-            mag = tl.where(negative, -mag, mag)
+            mag = tl.where(negative, negate(mag), mag)
     else:
         mag = tl.where((x64 < 0) & (x64 > float("-inf")), float("nan"), mag)  # (-inf) ** 1.5 is +inf
     mag = tl.where(x64 == 1.0, 1.0, mag)

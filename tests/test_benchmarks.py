@@ -260,3 +260,22 @@ def test_sweep_plots_time_and_speedup_over_the_eager_hook(tmp_path, monkeypatch)
                                  "torch.compile": ([1024, 65536], [2.0, 230.0 / 60.0])}
     labels = [args[0] for ax in (time_ax, speedup_ax) for name, args, _ in ax.calls if name == "set_ylabel"]
     assert labels == ["median µs per call (lower is faster)", "speedup over the eager hook (×, higher is faster)"]
+
+
+def test_stats_cost_times_each_statistics_subset(tmp_path):
+    """benchmarks/stats_cost.py (the GPU run's breakdown of the fused pass) runs end to end: a copy and one kernel per
+    statistics subset, per dtype, in its JSON and its table (CPU: the interpreter, a smoke run of the script)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = tmp_path / "stats_cost.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stats_cost.py"), "--device", "cpu", "--size",
+                           "3000", "--dtypes", "fp32,bf16", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from stats_cost import SUBSETS
+    for dtype in ("fp32", "bf16"):
+        kernels = [r["kernel"] for r in rows if r["dtype"] == dtype]
+        assert kernels == ["copy", *(name for name, _, _ in SUBSETS)]
+        assert all(r["us"] > 0 for r in rows if r["dtype"] == dtype)
+    assert proc.stdout.count("| fp32 |") == len(SUBSETS) + 1

@@ -92,3 +92,47 @@ def test_sizes_are_never_specialized_into_constants():
     kernels = [line for line in src.splitlines() if line.startswith("@triton.jit")]
     assert len(kernels) == 5
     assert all("do_not_specialize=['numel']" in k or "do_not_specialize=['n_tensors']" in k for k in kernels)
+
+
+def _cuda_body(fn, dtype, monkeypatch) -> str:
+    """The computing lines of the source generated for CUDA (as compiled on a GPU: outside the interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    src = fh.grad_hook(fn).source(dtype, "cuda")
+    return "\n".join(line.strip() for line in src.split("def fused_hook(")[1].split("def fused_hook_multi(")[0]
+                     .splitlines() if line.strip().startswith("v"))
+
+
+def test_cuda_source_follows_torchs_cuda_kernels(monkeypatch):
+    """What the first GPU run showed (H200, torch 2.11), each written as torch's CUDA kernel computes it: a division by
+    a Python number is a multiply by its reciprocal in every float dtype (fp64 too); exp, log, rsqrt and a general pow
+    call CUDA's math library (libdevice), as torch's kernels do; a pow exponent is rounded to the tensor's dtype, and
+    x**3, x**-2 of fp16/bf16 round after each multiply, the division in fp64. test_build compiles these for GPU
+    targets; test_gpu compares them with CUDA torch."""
+    assert _cuda_body(lambda g: g / 3, torch.float64, monkeypatch) == \
+        f"v2 = grad * tl.full([], {1 / 3!r}, tl.float64)"
+    assert _cuda_body(lambda g: g / 3, torch.float32, monkeypatch) == \
+        f"v2 = grad * {(torch.tensor(1.0) / 3).item()!r}"
+    for op, fn in (("exp", lambda g: g.exp()), ("log", lambda g: g.log()), ("rsqrt", lambda g: g.rsqrt())):
+        assert f"libdevice.{op}(grad)" in _cuda_body(fn, torch.float32, monkeypatch)
+    assert "libdevice.rsqrt(grad)" in _cuda_body(lambda g: g ** -0.5, torch.float32, monkeypatch)
+    bf16_exponent = torch.tensor(1.7).to(torch.bfloat16).item()  # 1.703125
+    assert f"libdevice.pow(grad, tl.full([], {bf16_exponent!r}, tl.float32))" in \
+        _cuda_body(lambda g: g ** 1.7, torch.bfloat16, monkeypatch)
+    assert "round_to_bf16(grad * grad) * grad" in _cuda_body(lambda g: g ** 3, torch.bfloat16, monkeypatch)
+    assert "(1.0 / (round_to_fp16(grad * grad)).to(tl.float64)).to(tl.float32)" in \
+        _cuda_body(lambda g: g ** -2, torch.float16, monkeypatch)
+    assert _cuda_body(lambda g: g ** -2, torch.float64, monkeypatch).endswith("= 1.0 / (grad * grad)")
+    # 2.001 rounds to 2.0 in bf16, computed as x * x then; 0.5 itself goes to the sqrt kernel
+    for body in (lambda g: g ** 2, lambda g: g ** 2.001):
+        assert _cuda_body(body, torch.bfloat16, monkeypatch).endswith("= round_to_bf16(grad * grad)")
+    assert _cuda_body(lambda g: g ** 0.5, torch.bfloat16, monkeypatch).endswith(
+        "= round_to_bf16(tl.math.sqrt_rn(grad))")
+
+
+def test_interpreted_source_has_no_libdevice(monkeypatch):
+    """The interpreter has no libdevice: kernels interpreted on CUDA tensors use tl's exp (the CPU source never
+    calls it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "libdevice." not in fh.grad_hook(lambda g: torch.exp(g)).source(torch.float32, "cuda").split("# body:")[1]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "libdevice." not in fh.grad_hook(lambda g: torch.exp(g)).source(torch.float32, "cpu").split("# body:")[1]

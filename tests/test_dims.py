@@ -209,7 +209,8 @@ def test_empty_gradients(backend):
 def test_a_body_that_does_not_fit_a_parameter_is_refused_at_register_naming_it():
     hook = fh.grad_hook(lambda g: g / g.norm(dim=1, keepdim=True), backend="reference")
     model = torch.nn.Linear(4, 3)
-    with pytest.raises(CompileError, match=r"does not fit bias \(shape \(3,\)\).*Dimension out of range"):
+    # then torch's own reason, in its words ("Dimension out of range" in torch 2.13, an IndexError in 2.11)
+    with pytest.raises(CompileError, match=r"does not fit bias \(shape \(3,\)\).*`norm` failed on these arguments: \S"):
         hook.register(model)
     assert len(hook.registry) == 0  # all or nothing
     with pytest.raises(CompileError, match=r"does not fit w \(shape \(3, 4\)\)"):  # (3,) does not broadcast to (3, 4)

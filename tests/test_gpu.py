@@ -10,8 +10,8 @@ import torch
 import fusedhooks as fh
 from fusedhooks import STAT_NAMES
 
-from helpers import FLOAT_DTYPES, assert_same_values, check_stats
-from test_ops import BODIES, POW_ULPS, eager_expected, special_values
+from helpers import FLOAT_DTYPES, assert_same_bits, assert_same_values, check_stats
+from test_ops import BODIES, CLAMP_BODIES, POW_ULPS, eager_expected, special_values
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -28,6 +28,46 @@ def test_op_matches_eager_cuda(name, dtype):
     p.grad = grad
     fh.grad_hook(fn)(p)
     assert_same_values(grad.cpu(), expected.cpu(), ulps=ulps)
+
+
+SIGNED_ZERO_BODIES = {**CLAMP_BODIES, "neg": lambda g: -g, "neg(-0.0 * g)": lambda g: -(g * -0.0),
+                      "where(g < 0, -0.0, g)": lambda g: torch.where(g < 0, -0.0, g)}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("name", list(SIGNED_ZERO_BODIES))
+def test_signed_zeros_match_cuda_torch_bit_for_bit(name, dtype):
+    """Triton 3.6 makes a scalar constant equal to 0 a +0.0 and computes -x as 0 - x: the kernels build -0.0 from its
+    bits and negate by the sign bit (only the interpreter had shown it; written before a GPU ran them)."""
+    body = SIGNED_ZERO_BODIES[name]
+    values = torch.tensor([-0.0, 0.0, -1.0, 1.0, -float("inf"), float("inf"), float("nan")], dtype=dtype)
+    grad = values.repeat(143)[:1000].cuda()
+    expected = eager_expected(body, grad, grad)
+    p = grad.clone().requires_grad_(True)
+    p.grad = grad
+    fh.grad_hook(body)(p)
+    assert_same_bits(grad.cpu(), expected.cpu())
+
+
+def test_repeated_firings_launch_through_the_compiled_kernel(monkeypatch):
+    """After the first firing, a hook's launches skip Triton's dispatch (`JITFunction.run`: tens of µs of Python per
+    launch) and call the compiled kernel (fusedhooks/fastlaunch.py); written before a GPU ran it."""
+    import triton
+
+    hook = fh.grad_hook(lambda grad: grad * 2, stats=("norm",))
+    p = torch.zeros(5000, device="cuda", requires_grad=True)
+    p.grad = torch.ones(5000, device="cuda")
+    hook(p)
+    hook(p)
+
+    def dispatch(*args, **kwargs):
+        raise AssertionError("a repeated firing went through JITFunction.run")
+
+    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", dispatch)
+    hook(p)
+    torch.cuda.synchronize()
+    assert p.grad.eq(8.0).all()
+    assert hook.stats.read()["param0"]["norm"] == pytest.approx(8.0 * 5000 ** 0.5)
 
 
 @pytest.mark.parametrize("n", [1, 4095, 4097, 1 << 20, 16_000_003])
