@@ -396,7 +396,7 @@ class ShardStats:
             if index is None:
                 if len(self._index) > 64:
                     self._index.clear()
-                index = self._index[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+                index = self._index[key] = runtime.host_to_device(rows, torch.int64, device)
             part = self.partials.tensor.index_select(0, index)
             if group is None:
                 ranks = 1

@@ -34,8 +34,14 @@ import torch
 
 from . import optable
 
+#: Both operators keep Python books at every call (the rows a firing wrote, the records clip_grad_norm_ trusts,
+#: GradScaler's books): a CUDA graph replaying the kernels without the Python would leave them stale, silently. Tagged
+#: so that torch.compile(mode="reduce-overhead") runs them outside its CUDA graphs (it partitions the graph around
+#: them, or skips CUDA graphs for it), until a firing is a function of tensors alone.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
-@torch.library.custom_op("fusedhooks::fire", mutates_args=("grad", "stats", "found_inf"))
+
+@torch.library.custom_op("fusedhooks::fire", mutates_args=("grad", "stats", "found_inf"), tags=_TAGS)
 def fire(grad: torch.Tensor, param: torch.Tensor, stats: torch.Tensor | None, found_inf: torch.Tensor | None,
          scalars: list[torch.Tensor], hook_key: int) -> None:
     """One firing of the hook `optable.target(hook_key)` on `param`'s gradient `grad`: the eager path
@@ -77,7 +83,7 @@ def outside_graph(fn, *args):
     return _call_outside_graph(fn, *args)
 
 
-@torch.library.custom_op("fusedhooks::clip_grad_norm_", mutates_args=("grads",))
+@torch.library.custom_op("fusedhooks::clip_grad_norm_", mutates_args=("grads",), tags=_TAGS)
 def clip_grad_norm(grads: list[torch.Tensor], stats: torch.Tensor | None, hook_key: int, max_norm: float,
                    norm_type: float, error_if_nonfinite: bool, foreach: bool | None,
                    max_norm_tensor: torch.Tensor | None) -> torch.Tensor:

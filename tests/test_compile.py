@@ -233,6 +233,16 @@ def test_fire_op_declares_what_it_writes():
     assert not schema.returns
 
 
+def test_ops_keeping_python_books_stay_out_of_cuda_graphs():
+    """fusedhooks::fire and fusedhooks::clip_grad_norm_ update Python books at every call: they carry
+    torch.Tag.cudagraph_unsafe, so torch.compile(mode="reduce-overhead") runs them at every step instead of replaying
+    their kernels without their Python (on a GPU: tests/test_gpu.py would replay them; CPU runs no CUDA graph)."""
+    from fusedhooks import ops  # noqa: F401  (registered when first needed)
+
+    for op in (torch.ops.fusedhooks.fire.default, torch.ops.fusedhooks.clip_grad_norm_.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags, op
+
+
 def test_paused_hook_under_compiled_autograd():
     model = make_model()
     hook = make_hook("triton")
@@ -251,6 +261,49 @@ def test_import_loads_neither_triton_nor_the_ops():
     code = ("import sys, fusedhooks; bad = [m for m in ('triton', 'fusedhooks.ops') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reduce_overhead_steps_with_hooks_match_eager_cuda():
+    """torch.compile(mode="reduce-overhead") with compiled autograd, over several steps with new inputs: the firing
+    op is cudagraph_unsafe, so it runs (its Python books too) at every step; gradients within inductor's rounding of
+    eager, statistics fresh at each step. Written before a GPU ran it."""
+    def run(compiled: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).cuda()
+        hook = fh.grad_hook(lambda g: g.clamp(-0.01, 0.01) * 0.5, stats=STATS)
+        hook.register(model)
+        generator = torch.Generator("cuda").manual_seed(1)
+
+        def step(x):
+            model(x).square().sum().backward()
+
+        compiled_step = torch.compile(step, mode="reduce-overhead")
+        out = []
+        for _ in range(4):
+            x = torch.randn(32, 64, device="cuda", generator=generator)
+            for p in model.parameters():
+                p.grad = None
+            if compiled:
+                with compiled_autograd._enable(torch.compile(mode="reduce-overhead")):
+                    compiled_step(x)
+            else:
+                step(x)
+            torch.cuda.synchronize()
+            reading = hook.stats.read()
+            assert not reading.stale
+            out.append(({n: p.grad.clone() for n, p in model.named_parameters()}, reading))
+        return out
+
+    for (grads, stats), (egrads, estats) in zip(run(True), run(False)):
+        for name in grads:
+            torch.testing.assert_close(grads[name], egrads[name])
+        assert stats.keys() == estats.keys() and stats
+        for name in stats:
+            assert stats[name]["nan"] == estats[name]["nan"] == 0
+            assert stats[name]["norm"] == pytest.approx(estats[name]["norm"], rel=1e-4)
 
 
 @pytest.mark.gpu
