@@ -184,8 +184,8 @@ class GradHook:
         self._graphs: dict[torch.dtype, Graph] = {}
         self._compiled: dict[tuple, Compiled] = {}
         self._compiled_by_index: dict[tuple, Compiled] = {}  # (dtype, is_cuda, device index) -> the unsharded one
-        #: dtype (and shape, for a body planned per shape) -> _eager_firing of CPU gradients (eager backend)
-        self._eager_firings: dict[object, Callable] = {}
+        #: `_lean_key(grad)` -> the `_lean_firing` of such gradients (eager and triton backends)
+        self._lean_firings: dict[tuple, Callable] = {}
         self._workspaces: dict[tuple, runtime.Workspace] = {}
         self._registering = threading.RLock()  # registrations, at register() and at first firings
         self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
@@ -235,12 +235,12 @@ class GradHook:
         if entry is None:
             entry = self.registry.get(param) or self._add_at_firing(param)
         backward_key = torch._C._current_graph_task_id() if backward_key is None else backward_key
-        eager_firing = self._eager_firings.get((grad.dtype, grad.shape) if self.reduces_over_dims else grad.dtype)
-        if (eager_firing is not None and type(grad) is torch.Tensor and grad.is_cpu and not grad.requires_grad
-                and not torch.is_grad_enabled()
+        lean_firing = self._lean_firings.get(self._lean_key(grad))
+        if (lean_firing is not None and type(grad) is torch.Tensor and grad.layout == torch.strided
+                and not grad.requires_grad and not torch.is_grad_enabled()
                 and grad.numel() and entry.checked_shape == grad.shape
                 and (self._distributed_checked or backward_key == self._distributed_seen)):
-            eager_firing(entry, grad, param, backward_key)  # what process() would do, with fewer lookups
+            lean_firing(entry, grad, param, backward_key)  # what process() would do, with fewer lookups
             return
         if distributed.is_dtensor(grad):
             self._shards.fire(entry, param, grad, backward_key)
@@ -274,11 +274,12 @@ class GradHook:
         if buffer is not None:
             self.stats.settle(buffer, entry.row)
         entry.record(grad)
-        key = (grad.dtype, grad.shape) if self.reduces_over_dims else grad.dtype  # (a plan per shape)
-        if compiled.plan.backend == "eager" and key not in self._eager_firings and not torch.is_grad_enabled():
-            if len(self._eager_firings) > 256:  # shapes keep changing: keep it small
-                self._eager_firings.clear()
-            self._eager_firings[key] = self._eager_firing(compiled)
+        key = self._lean_key(grad)
+        if (compiled.plan.backend in ("eager", "triton") and key not in self._lean_firings
+                and not torch.is_grad_enabled() and not grad.requires_grad and grad.numel()):
+            if len(self._lean_firings) > 256:  # shapes keep changing: keep it small
+                self._lean_firings.clear()
+            self._lean_firings[key] = self._lean_firing(compiled)
 
     def records(self, grad: torch.Tensor, param: torch.Tensor) -> bool:
         """Does an eager hook's body on `grad` make autograd record it here: `.grad` requires grad, or, with grad
@@ -291,19 +292,25 @@ class GradHook:
         return ((param.requires_grad and self._body_for(tuple(grad.shape)).uses_param)
                 or any(s.requires_grad for s in self._body.scalars))
 
-    def _eager_firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
-        """`process` on the eager backend, for a plain (not a DTensor, not requiring grad), non-empty CPU gradient
-        of `compiled`'s dtype whose shape is checked, as `fire` calls it once the distributed check is done for
-        this backward: `firing(entry, grad, param, backward_key)`. It does only what the plan needs: without
-        statistics and AMP, the body alone (no backward numbering, row, or record for clip_grad_norm_, which
-        only reads hooks that record statistics)."""
-        plan, body, scalars, stats = compiled.plan, compiled.kernel, self._body.scalars, self.stats
+    def _lean_key(self, grad: torch.Tensor) -> tuple:
+        """What a lean firing is kept by: the gradient's dtype and device (and shape, for a body planned per shape),
+        read without building a torch.device."""
+        key = (grad.dtype, grad.is_cuda, grad.get_device())
+        return key + (grad.shape,) if self.reduces_over_dims else key
+
+    def _lean_firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
+        """`process` for a plain (not a DTensor, not requiring grad), dense, non-empty gradient of `compiled`'s dtype
+        and device whose shape is checked, as `fire` calls it once the distributed check is done for this backward:
+        `firing(entry, grad, param, backward_key)`, on the eager and triton backends. It does only what the plan
+        needs: on the eager backend without statistics and AMP, the body alone (no backward numbering, row, or record
+        for clip_grad_norm_, which only reads hooks that record statistics)."""
+        plan, module, scalars, stats = compiled.plan, compiled.kernel, self._body.scalars, self.stats
         check_scalars = self._body.check_scalars
-        if not (plan.slots or plan.amp):
+        if plan.backend == "eager" and not (plan.slots or plan.amp):
             def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
                 if scalars:
                     check_scalars()
-                body(grad, param, scalars)
+                module(grad, param, scalars)
             return firing
 
         def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
@@ -312,7 +319,7 @@ class GradHook:
             stats.begin_firing(backward_key)
             buffer, stats_row = stats.writable_row(entry.row) if plan.slots else (None, None)
             amp_tensors = self.amp_tensors(grad.device, backward_key, [entry.row], [grad]) if plan.amp else None
-            eager.run(plan, body, grad, param, scalars, stats_row, amp_tensors, self._workspace_for(grad).scratch)
+            runtime.fire(plan, module, grad, param, scalars, stats_row, self._workspace_for(grad), amp_tensors)
             if buffer is not None:
                 stats.settle(buffer, entry.row)
             entry.record(grad)

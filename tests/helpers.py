@@ -133,14 +133,24 @@ def torch_fp32_norm_rtol(numels) -> float:
 
 def record_processing(hook) -> list:
     """The names of the parameters `hook` processes from now on, one per processing (a firing that the hook does
-    not skip), in order."""
-    processed, process = [], hook.process
+    not skip), in order: through `process`, or through the lean firing `process` leaves behind for later firings
+    of the same dtype and device (GradHook._lean_firing)."""
+    processed, process, lean_firing = [], hook.process, hook._lean_firing
 
     def recorded(entry, grad, param, backward_key):
         processed.append(entry.name)
         process(entry, grad, param, backward_key)
 
+    def recorded_lean_firing(compiled):
+        firing = lean_firing(compiled)
+
+        def recorded_firing(entry, grad, param, backward_key):
+            processed.append(entry.name)
+            firing(entry, grad, param, backward_key)
+        return recorded_firing
+
     hook.process = recorded
+    hook._lean_firing = recorded_lean_firing
     return processed
 
 

@@ -116,7 +116,7 @@ def test_large_temporaries_are_reused_between_firings():
     assert {dtype: t.data_ptr() for dtype, t in workspace._scratch.items()} == first
 
 
-# --- the lean firing (GradHook._eager_firing): what process() does, with fewer lookups ------------------------
+# --- the lean firing (GradHook._lean_firing): what process() does, with fewer lookups ------------------------
 
 
 def _spy_process(hook, monkeypatch) -> list:
@@ -126,11 +126,12 @@ def _spy_process(hook, monkeypatch) -> list:
     return calls
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=ids)
 @pytest.mark.parametrize("stats", [(), "all"], ids=["no_stats", "all_stats"])
-def test_the_lean_firing_equals_the_full_path(dtype, stats, monkeypatch):
+def test_the_lean_firing_equals_the_full_path(dtype, stats, backend, monkeypatch):
     scale = torch.tensor(0.5)
-    hooks = [fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0) * scale, stats=stats, backend="eager") for _ in range(2)]
+    hooks = [fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0) * scale, stats=stats, backend=backend) for _ in range(2)]
     lean, full = hooks
     params = [torch.nn.Parameter(torch.zeros(64, 33, dtype=dtype)) for _ in hooks]
     for hook, p in zip(hooks, params):
@@ -148,7 +149,7 @@ def test_the_lean_firing_equals_the_full_path(dtype, stats, monkeypatch):
         assert lean.stats.read() == full.stats.read()
         if stats:
             assert lean.registry.get(params[0]).measured.describes(params[0].grad)
-    assert len(calls) == 1 and dtype in lean._eager_firings
+    assert len(calls) == 1 and (dtype, False, -1) in lean._lean_firings
     if stats:
         norms = [fh.clip_grad_norm_(hook, 0.1) for hook in hooks]
         assert torch.equal(norms[0], norms[1]) and torch.equal(params[0].grad, params[1].grad)
@@ -158,8 +159,9 @@ class _Subclass(torch.Tensor):
     pass
 
 
-def test_the_lean_firing_steps_aside(monkeypatch):
-    hook = fh.grad_hook(lambda grad: grad * 2.0, stats=("norm",), backend="eager")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_the_lean_firing_steps_aside(backend, monkeypatch):
+    hook = fh.grad_hook(lambda grad: grad * 2.0, stats=("norm",), backend=backend)
     p = torch.nn.Parameter(torch.zeros(8))
     q = torch.nn.Parameter(torch.zeros(8, dtype=torch.float64))
     hook.register([("p", p), ("q", q)])
@@ -193,7 +195,7 @@ def test_the_lean_firing_in_a_backward():
         (w * torch.tensor([3.0, -3.0, 0.5, 1.0]) * (step + 1)).sum().backward()
         assert torch.equal(w.grad, torch.tensor([1.0, -1.0, min(0.5 * (step + 1), 1.0), 1.0]))
         assert hook.stats.read()["w"].fresh
-    assert torch.float32 in hook._eager_firings
+    assert (torch.float32, False, -1) in hook._lean_firings
 
 
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])
