@@ -256,7 +256,6 @@ class GradHook:
             raise TypeError(f"{entry.name}: its gradient is a {grad.layout} tensor; gradient hooks process dense "
                             "gradients: make the module produce dense ones (nn.Embedding(sparse=False)) or register "
                             "the hook on the other parameters only")
-        self.stats.begin_firing(backward_key)
         if self.records(grad, param):
             compiled = self._compiled_for_autograd(grad.dtype, grad.shape)
         else:
@@ -264,16 +263,7 @@ class GradHook:
         if entry.checked_shape != grad.shape:
             self.check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
-        if self._body.scalars:
-            self._body.check_scalars()
-        buffer, stats_row = self.stats.writable_row(entry.row) if compiled.plan.slots else (None, None)
-        amp_tensors = (self.amp_tensors(grad.device, backward_key, [entry.row], [grad]) if compiled.plan.amp
-                       else None)
-        runtime.fire(compiled.plan, compiled.kernel, grad, param, self._body.scalars, stats_row,
-                     self._workspace_for(grad), amp_tensors)
-        if buffer is not None:
-            self.stats.settle(buffer, entry.row)
-        entry.record(grad)
+        self._firing(compiled)(entry, grad, param, backward_key)
         key = self._lean_key(grad)
         if (compiled.plan.backend in ("eager", "triton") and key not in self._lean_firings
                 and not torch.is_grad_enabled() and not grad.requires_grad and grad.numel()):
@@ -304,14 +294,23 @@ class GradHook:
         `firing(entry, grad, param, backward_key)`, on the eager and triton backends. It does only what the plan
         needs: on the eager backend without statistics and AMP, the body alone (no backward numbering, row, or record
         for clip_grad_norm_, which only reads hooks that record statistics)."""
-        plan, module, scalars, stats = compiled.plan, compiled.kernel, self._body.scalars, self.stats
+        plan, module, scalars = compiled.plan, compiled.kernel, self._body.scalars
         check_scalars = self._body.check_scalars
         if plan.backend == "eager" and not (plan.slots or plan.amp):
-            def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
+            def body_alone(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
                 if scalars:
                     check_scalars()
                 module(grad, param, scalars)
-            return firing
+            return body_alone
+        return self._firing(compiled)
+
+    def _firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
+        """The firing of one gradient, written once (`process` and the lean firing call it): the closed-over tensors
+        checked, the backward numbered, the body applied and the statistics written into the entry's row (AMP's
+        unscaling and books too), the row marked as written and the gradient recorded for clip_grad_norm_:
+        `firing(entry, grad, param, backward_key)`."""
+        plan, module, scalars, stats = compiled.plan, compiled.kernel, self._body.scalars, self.stats
+        check_scalars = self._body.check_scalars
 
         def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
             if scalars:
