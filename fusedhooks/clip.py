@@ -116,9 +116,7 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     clip and the step make that step raise RuntimeError. Not under torch.compile (RuntimeError). Any other
     optimizer, or None: the gradients are scaled in place as described above.
     """
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"clip_grad_norm_(optimizer=...) takes a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    fold_into = optimizer if optimizer is not None and fold.folds_into(optimizer) else None
+    fold_into = fold.target(optimizer, "clip_grad_norm_(optimizer=...)")
     if _is_compiling():
         if fold_into is not None:
             raise RuntimeError("fh.clip_grad_norm_(..., optimizer=opt) with a fused optimizer folds the coefficient "
@@ -193,9 +191,7 @@ def scale_by_total_norm_(hook: GradHook, coefficient, optimizer: torch.optim.Opt
     one multi-tensor pass per (device, dtype), or, with a fused optimizer (`fold.folds_into`) and unsharded
     gradients, the coefficient is folded into its `grad_scale` for its next step (no pass). Returns the total
     norm; with no gradient a float32 zero, and `coefficient` is not called."""
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer= takes a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    fold_into = optimizer if optimizer is not None and fold.folds_into(optimizer) else None
+    fold_into = fold.target(optimizer, "optimizer=")
     return _scale_by_total_norm_eager(hook, coefficient, 2.0, None, fold_into=fold_into, fold_sharded=True)
 
 
@@ -287,22 +283,24 @@ def _scale_by_total_norm(hook: GradHook, coefficient, norm_type: float, foreach:
     return total_norm
 
 
-def _scale_by_total_norm_eager(*args, **kwargs) -> torch.Tensor:
-    """`_scale_by_total_norm(*args)`, never traced by torch.compile (see _clip_eager)."""
-    global _scale_by_total_norm_eager
-    _scale_by_total_norm_eager = torch.compiler.disable(_scale_by_total_norm)
-    return _scale_by_total_norm_eager(*args, **kwargs)
+def _never_traced(fn):
+    """`fn`, never traced by torch.compile: when dynamo skips the frame calling clip_grad_norm_ (a frame holding no
+    tensor, such as the rest of a compiled step after `loss.backward()` when the model is a global), the call runs
+    eagerly, but dynamo would still compile the frames it calls (this host logic, the launch, the Triton
+    interpreter's own Python). About 0.3 us a call. `torch.compiler.disable(fn)` is made at the first call (it
+    imports torch._dynamo, hence triton: not at `import fusedhooks`)."""
+    disabled = None
+
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+    return call
 
 
-def _clip_eager(*args, **kwargs) -> torch.Tensor:
-    """`_clip(*args)`, never traced by torch.compile: when dynamo skips the frame calling clip_grad_norm_ (a frame
-    holding no tensor, such as the rest of a compiled step after `loss.backward()` when the model is a global),
-    the call runs eagerly, but dynamo would still compile the frames it calls (this host logic, the launch, the
-    Triton interpreter's own Python). About 0.3 us a call. Replaces itself by `torch.compiler.disable(_clip)` at
-    the first call (which imports torch._dynamo, hence triton: not at `import fusedhooks`)."""
-    global _clip_eager
-    _clip_eager = torch.compiler.disable(_clip)
-    return _clip_eager(*args, **kwargs)
+_clip_eager = _never_traced(_clip)
+_scale_by_total_norm_eager = _never_traced(_scale_by_total_norm)
 
 
 def _norm_slot(hook: GradHook, norm_type: float):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import config, dims
-from .emit import FLOAT_CT, ROUND, Emitter, UnitsEmitter, compute_type, convert, full, literal, widen
+from .emit import FLOAT_CT, Emitter, UnitsEmitter, compute_type, convert, full, literal, rounded, widen
 from .ir import STAT_NAMES, Graph, Node, is_reduction, reduction_spec
 from .plan import PARTIAL_FLAGS, Plan, partial_flags
 
@@ -250,7 +250,7 @@ class _KernelWriter:
             if ct != "tl.float32":
                 inv += f".to({ct})"
             lines += ["scaled = grad", f"inv_scale = {inv}",
-                      f"grad = {_rounded_expr('scaled * inv_scale', g.grad_dtype)}"]
+                      f"grad = {rounded('scaled * inv_scale', g.grad_dtype)}"]
         if g.uses_param:
             lines.append(f"param = {widen('tl.load(param_ptr + offs, mask=mask, other=0)', g.grad_dtype)}")
         return lines
@@ -362,8 +362,8 @@ class _KernelWriter:
                 expr = full(f"[{em.block}]", r.value, ct)
             elif not r.full:  # without arithmetic, which would turn -0.0 into 0.0
                 expr = f"tl.broadcast_to({expr}, [{em.block}])"
-            if g.grad_dtype in ROUND and r.dtype != g.grad_dtype:
-                expr = f"{ROUND[g.grad_dtype]}({expr})"
+            if r.dtype != g.grad_dtype:
+                expr = rounded(expr, g.grad_dtype)
             lines += em.lines
             em.lines = []
             lines.append(f"out = {expr}")
@@ -732,7 +732,7 @@ def _from_merged(node: Node, value: str) -> str:
     ct = compute_type(node.dtype)
     if ct == "tl.int1":
         return f"({value})"
-    return _rounded_expr(f"({value}).to({ct})", node.dtype)
+    return rounded(f"({value}).to({ct})", node.dtype)
 
 
 def _from_reduced(node: Node, loaded: str) -> str:
@@ -740,10 +740,6 @@ def _from_reduced(node: Node, loaded: str) -> str:
     if compute_type(node.dtype) == "tl.int1":
         return f"({loaded} != 0)"
     return _from_merged(node, loaded)
-
-
-def _rounded_expr(expr: str, dtype: torch.dtype) -> str:
-    return f"{ROUND[dtype]}({expr})" if dtype in ROUND else expr
 
 
 def _last_program(lines: list[str]) -> list[str]:

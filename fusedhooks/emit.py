@@ -68,6 +68,21 @@ def full(shape: str, value, ctype: str) -> str:
     return f"tl.full({shape}, {fill_value(value, ctype)}, {ctype})"
 
 
+def rounded(expr: str, dtype: torch.dtype) -> str:
+    """`expr` rounded to `dtype` if that is a half-precision type (each eager op rounds its result)."""
+    return f"{ROUND[dtype]}({expr})" if dtype in ROUND else expr
+
+
+def divide(p: str, q: str, ct: str) -> str:
+    """p / q correctly rounded in compute type `ct`: on a GPU, fp32 `/` is the fast approximate instruction."""
+    return f"tl.math.div_rn({p}, {q})" if ct == "tl.float32" else f"{p} / {q}"
+
+
+def sqrt(x: str, ct: str) -> str:
+    """sqrt(x) correctly rounded in compute type `ct`, as torch's (fp32 `tl.sqrt` is approximate on a GPU)."""
+    return f"tl.math.sqrt_rn({x})" if ct == "tl.float32" else f"tl.sqrt({x})"
+
+
 def convert(expr: str, src: str, dst: str) -> str:
     """Convert an expression between compute types (bool conversions as torch does them)."""
     if src == dst:
@@ -110,10 +125,6 @@ class Emitter:
             return literal(torch.tensor(float(arg.value)).to(half).item(), ct)
         return f"{ROUND[half]}({self.value(arg, ct)})"
 
-    def rounded(self, expr: str, dtype: torch.dtype) -> str:
-        """`expr` rounded to `dtype` if that is a half-precision type (each eager op rounds its result)."""
-        return f"{ROUND[dtype]}({expr})" if dtype in ROUND else expr
-
     def op(self, n: Node) -> str:
         a, op = n.args, n.op
         ct = compute_type(n.op_dtype)
@@ -121,8 +132,7 @@ class Emitter:
         is_float = ct in FLOAT_CT
         if op == "div" and a["input"].kind == "const":
             # `c / x` is Tensor.__rtruediv__: torch computes x.reciprocal() * c, rounding in between
-            one = "tl.math.div_rn(1.0, {})" if ct == "tl.float32" else "1.0 / {}"
-            recip = self.rounded(one.format(self.value(a["other"], ct)), n.op_dtype)
+            recip = rounded(divide("1.0", self.value(a["other"], ct), ct), n.op_dtype)
             return f"{recip} * {v('input')}"
         if op in ("add", "sub"):
             sign = "+" if op == "add" else "-"
@@ -139,9 +149,7 @@ class Emitter:
                 # divisor, computed in the op's math type (fp32 for fp32/fp16/bf16, fp64 for fp64)
                 divisor = torch.tensor(float(other.value), dtype=torch.float64 if ct == "tl.float64" else None)
                 return f"{v('input')} * {literal((1.0 / divisor).item(), ct)}"
-            if ct == "tl.float32":
-                return f"tl.math.div_rn({v('input')}, {v('other')})"
-            return f"{v('input')} / {v('other')}"
+            return divide(v("input"), v("other"), ct)
         if op == "neg":  # triton 3.6 compiles -x as 0 - x, which leaves +0.0 positive
             return f"negate({v('input')})" if is_float else f"-{v('input')}"
         if op == "abs":
@@ -150,13 +158,13 @@ class Emitter:
             x = v("input")
             return f"tl.where({x} > 0, {literal(1, ct)}, tl.where({x} < 0, {literal(-1, ct)}, {literal(0, ct)}))"
         if op == "sqrt":
-            return f"tl.math.sqrt_rn({v('input')})" if ct == "tl.float32" else f"tl.sqrt({v('input')})"
+            return sqrt(v("input"), ct)
         if op == "rsqrt":
             return self.rsqrt(v("input"), ct)
         if op in ("exp", "log"):
             return f"{'libdevice' if self.libdevice else 'tl'}.{op}({v('input')})"
         if op == "reciprocal":
-            return f"tl.math.div_rn(1.0, {v('input')})" if ct == "tl.float32" else f"1.0 / {v('input')}"
+            return divide("1.0", v("input"), ct)
         if op == "square":
             return f"{v('input')} * {v('input')}"
         if op == "pow":
@@ -212,9 +220,7 @@ class Emitter:
         """1 / sqrt(x) as torch computes it on this device (the op and pow(x, -0.5) on CUDA)."""
         if self.libdevice:
             return f"libdevice.rsqrt({x})"
-        if ct == "tl.float32":
-            return f"tl.math.div_rn(1.0, tl.math.sqrt_rn({x}))"
-        return f"1.0 / tl.sqrt({x})"
+        return divide("1.0", sqrt(x, ct), ct)
 
     def select(self, which: str, x: str, y: str, y_node: Node, is_float: bool) -> str:
         """max(x, y) or min(x, y) (`which`) as torch's `maximum`/`minimum(x, y)` and a lower/upper clamp bound y
@@ -243,17 +249,16 @@ class Emitter:
         e = float(e)
         if self.device_type == "cuda":
             return self.pow_cuda(x, e, ct, dtype)
-        div = (lambda p, q: f"tl.math.div_rn({p}, {q})") if ct == "tl.float32" else (lambda p, q: f"{p} / {q}")
-        sqrt = "tl.math.sqrt_rn" if ct == "tl.float32" else "tl.sqrt"
         cpu_half = dtype if dtype in ROUND else None
         if cpu_half is torch.float16 or (cpu_half is torch.bfloat16 and e not in (0.5, -0.5, -1.0)):
             e = torch.tensor(e).to(cpu_half).item()
-        square = self.rounded(f"{x} * {x}", dtype) if cpu_half is torch.bfloat16 else f"({x} * {x})"
-        root = f"{sqrt}({x})"
+        square = rounded(f"{x} * {x}", dtype) if cpu_half is torch.bfloat16 else f"({x} * {x})"
+        root = sqrt(x, ct)
         if cpu_half is torch.float16:  # C pow: (-0.0) ** 0.5 == +0.0 and (-inf) ** 0.5 == +inf
-            root = f'tl.where({x} == float("-inf"), float("inf"), {sqrt}({x}) + 0.0)'
-        special = {0.0: f"tl.full([{self.block}], 1.0, {ct})", 1.0: x, 2.0: f"{x} * {x}", 3.0: f"{square} * {x}",
-                   0.5: root, -0.5: div("1.0", root), -1.0: div("1.0", x), -2.0: div("1.0", square)}
+            root = f'tl.where({x} == float("-inf"), float("inf"), {root} + 0.0)'
+        special = {0.0: full(f"[{self.block}]", 1.0, ct), 1.0: x, 2.0: f"{x} * {x}", 3.0: f"{square} * {x}",
+                   0.5: root, -0.5: divide("1.0", root, ct), -1.0: divide("1.0", x, ct),
+                   -2.0: divide("1.0", square, ct)}
         if e in special:
             return special[e]
         return self.pow_general(x, e, ct)
@@ -264,16 +269,16 @@ class Emitter:
         are computed as base * base (* base), 1.0 / (base * base) in the dtype's own arithmetic (fp16/bf16 round
         after each multiply; the division is in double), the rest by C pow (powf/pow)."""
         if e == 0.5:
-            return f"tl.math.sqrt_rn({x})" if ct == "tl.float32" else f"tl.sqrt({x})"
+            return sqrt(x, ct)
         if e == -0.5:
             return self.rsqrt(x, ct)
         if e == -1.0:
-            return f"tl.math.div_rn(1.0, {x})" if ct == "tl.float32" else f"1.0 / {x}"
+            return divide("1.0", x, ct)
         if dtype != torch.float64:
             e = torch.tensor(e).to(dtype if dtype in ROUND else torch.float32).item()
-        square = self.rounded(f"{x} * {x}", dtype)
+        square = rounded(f"{x} * {x}", dtype)
         if e == 0.0:
-            return f"tl.full([{self.block}], 1.0, {ct})"
+            return full(f"[{self.block}]", 1.0, ct)
         if e == 1.0:
             return x
         if e == 2.0:
@@ -303,9 +308,7 @@ class Emitter:
         op_ct = compute_type(n.op_dtype)
         if op_ct != result_ct and not computes_in_operand_dtype(n.op):
             expr = convert(f"({expr})", op_ct, result_ct)
-        if n.dtype in ROUND:
-            expr = f"{ROUND[n.dtype]}({expr})"
-        return expr
+        return rounded(expr, n.dtype)
 
     def emit_nodes(self, nodes: list[Node]) -> None:
         """Emit a line for each node not emitted yet (reductions must already have a name)."""

@@ -33,6 +33,16 @@ def folds_into(optimizer) -> bool:
     return isinstance(optimizer, FUSED_TYPES) and bool(optimizer.defaults.get("fused"))
 
 
+def target(optimizer, option: str) -> torch.optim.Optimizer | None:
+    """The optimizer a clip given `optimizer` folds into (see `folds_into`), or None when it scales the gradients in
+    place; anything but None or an optimizer is refused (`option`: the argument as the caller names it)."""
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{option} takes a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    return optimizer if folds_into(optimizer) else None
+
+
 @dataclass
 class _Fold:
     folded: torch.Tensor  # 0-dim float32: what optimizer.grad_scale was set to
