@@ -24,9 +24,14 @@ from .trace import CompileError, TracedBody, lower, trace
 
 
 def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
-    """What a hook does when called while torch.compile traces it (compiled autograd): one call of
-    fusedhooks::fire (see ops.py), for each gradient at its own firing (a hook registered with bucket_mb= too:
-    see docs/compile.md)."""
+    """What a hook does when called while torch.compile traces it, for each gradient at its own firing (a hook
+    registered with bucket_mb= too: see docs/compile.md).
+
+    In a backward that compiled autograd traces: one call of fusedhooks::firing (see ops.py), the firing as a
+    function of tensors, with the parameter's row looked up now (the lookup is guarded: a new registration
+    recompiles). Otherwise (a hook frame torch.compile compiles on its own, a parameter registered through torch
+    directly at its first firing, a hook with scaler=, a process group of several ranks) one call of
+    fusedhooks::fire, which runs the eager firing."""
     from . import ops
 
     grad = param.grad
@@ -35,6 +40,16 @@ def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
     if hook.records(grad, param):  # backward(create_graph=True): the body must run as ops autograd records
         ops.outside_graph(hook._fire_unless_paused, param)
         return
+    entry = hook.registry.get(param)
+    if entry is not None and hook.scaler is None and grad.layout == torch.strided:
+        traced = _traced_firing(hook.op_key)
+        if traced is not None:
+            if hook.is_paused:
+                return
+            books = hook.stats.traced or (None, None)
+            torch.ops.fusedhooks.firing(grad, param, hook.stats.buffer if books[0] is not None else None, *books,
+                                        list(hook._body.scalars), hook.op_key, entry.row, traced)
+            return
     stats = hook.stats.buffer if hook.stats.slot_names else None
     found_inf = hook._found_inf.get(grad.device) if hook.scaler is not None else None
     torch.ops.fusedhooks.fire(grad, param, stats, found_inf, list(hook._body.scalars), hook.op_key)
@@ -59,6 +74,63 @@ def run_outside_graph(fn, *args) -> None:
 
 
 optable.implement("fire", _fire_in_op)
+
+
+#: compiled autograd's graph id -> (dynamo frame id, the tracer) of the traced firing that numbers the backward, by
+#: hook key (see `_traced_firing`)
+_numbering_firings: dict[tuple[int, int], tuple[int | None, weakref.ref]] = {}
+
+
+def _traced_firing(hook_key: int) -> bool | None:
+    """Called while dynamo traces a firing of the hook `hook_key` (a constant of the graph): None when the firing
+    is not part of a backward that compiled autograd traces (fusedhooks::fire runs it), or when a process group of
+    several ranks runs (the eager firing's distributed checks apply); else whether this firing numbers the backward
+    (increments the hook's device epoch): the first firing of the hook traced in compiled autograd's graph. A graph
+    break splits that graph into frames run in order: the first frame holding a firing of the hook numbers it, also
+    when dynamo traces that frame again (a restart, a recompile)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None or compile_id.compiled_autograd_id is None:
+        return None
+    world = distributed.world_size()
+    if world is not None and world > 1:
+        return None
+    hook = optable.target(hook_key)
+    if hook.stats.slot_names:
+        hook.stats.traced_books()
+    tracer = InstructionTranslator.current_tx().output
+    key = (compile_id.compiled_autograd_id, hook_key)
+    known = _numbering_firings.get(key)
+    if known is not None and (known[1]() is tracer or known[0] != compile_id.frame_id):
+        return False
+    if len(_numbering_firings) > 1024:
+        _numbering_firings.clear()
+    _numbering_firings[key] = (compile_id.frame_id, weakref.ref(tracer))
+    return True
+
+
+# what torch._dynamo.assume_constant_result does (dynamo calls it while tracing and keeps the result as a constant),
+# without importing torch._dynamo with fusedhooks
+_traced_firing._dynamo_marked_constant = True
+
+
+def _traced_plan(hook_key: int, row: int, grad: torch.Tensor) -> tuple[Plan, object]:
+    """The body of fusedhooks::firing while it is traced: the plan and kernels of the hook `hook_key` for `grad` (a
+    fake or functional tensor of the gradient's dtype, device and shape), the gradient's shape checked against the
+    body (for row `row`'s parameter) and the closed-over tensors checked, as the eager firing checks them."""
+    hook = optable.target(hook_key)
+    if hook is None:
+        raise RuntimeError("fusedhooks::firing: the hook it was traced with no longer exists")
+    hook.check_shape(hook.stats.names[row], grad)
+    if hook.scalars:
+        hook.check_scalars()
+    compiled = hook._compiled_for(grad)
+    return compiled.plan, compiled.kernel
+
+
+optable.implement("traced_plan", _traced_plan)
 
 
 #: the shape a body is first lowered for, at decoration

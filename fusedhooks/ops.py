@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from . import optable
+from . import optable, runtime
 
 #: Both operators keep Python books at every call (the rows a firing wrote, the records clip_grad_norm_ trusts,
 #: GradScaler's books): a CUDA graph replaying the kernels without the Python would leave them stale, silently. Tagged
@@ -67,6 +67,26 @@ def fire(grad: torch.Tensor, param: torch.Tensor, stats: torch.Tensor | None, fo
 @fire.register_fake
 def _(grad, param, stats, found_inf, scalars, hook_key) -> None:
     return None
+
+
+@torch.library.triton_op("fusedhooks::firing", mutates_args=("grad", "stats", "generations", "epoch"))
+def firing(grad: torch.Tensor, param: torch.Tensor, stats: torch.Tensor | None, generations: torch.Tensor | None,
+           epoch: torch.Tensor | None, scalars: list[torch.Tensor], hook_key: int, row: int, bump: bool) -> None:
+    """One firing of the hook `optable.target(hook_key)` on `param`'s gradient `grad` as a function of tensors: the
+    body applied to `grad` in place, the statistics written into row `row` of `stats` ([parameters, slots] float64,
+    None: the hook records none) and the backward's number into `generations[row]` (int64 [parameters]), `epoch`
+    (int64, 0-dim) first incremented when `bump` (the first firing of the hook in a traced backward).
+
+    A `torch.library.triton_op`: torch.compile traces into it, so a compiled graph holds its kernels (on CUDA the
+    generated Triton kernels through `wrap_triton`, on CPU the plan as torch ops) and no Python of fusedhooks runs
+    when the graph runs; its Python runs while tracing only, where the plan for `grad`'s dtype, device and shape is
+    looked up (`optable.implementation("traced_plan")`)."""
+    plan, module = optable.implementation("traced_plan")(hook_key, row, grad)
+    if generations is not None and epoch is not None:
+        if bump:
+            epoch.add_(1)
+        generations[row].copy_(epoch)
+    runtime.fire_traced(plan, module, grad, param, scalars, None if stats is None or not plan.slots else stats[row])
 
 
 def _call(fn, *args):

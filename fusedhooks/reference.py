@@ -74,11 +74,13 @@ def histogram(x: torch.Tensor, hist_range: tuple[int, int], compute: torch.dtype
     exactly (frexp is exact in it)."""
     lo, hi = hist_range
     x = x.detach().reshape(-1).to(compute)
-    x = x[~torch.isnan(x)]
     _, exponent = torch.frexp(x.abs())            # |x| = m * 2**e, 0.5 <= m < 1: floor(log2|x|) = e - 1
     bins = (exponent.to(torch.int64) - 1 - lo).clamp(0, hi - lo - 1)
     bins = torch.where(torch.isinf(x), hi - lo - 1, torch.where(x == 0, 0, bins))
-    return torch.bincount(bins, minlength=hi - lo).to(torch.float64)
+    bins = torch.where(torch.isnan(x), hi - lo, bins)  # counted in an extra bin, dropped: no data-dependent shape
+    counts = torch.zeros(hi - lo + 1, dtype=torch.int64, device=x.device)  # (which torch.compile can trace)
+    counts.index_add_(0, bins, torch.ones_like(bins))
+    return counts[:hi - lo].to(torch.float64)
 
 
 def _stats_values(x: torch.Tensor, names: tuple[str, ...], hist_range) -> list[torch.Tensor]:

@@ -313,6 +313,14 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
             increment_version(grad)  # the kernel wrote through a raw pointer: tell autograd, as mul_ would
 
 
+def fire_traced(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: list[torch.Tensor],
+                stats_row: torch.Tensor | None) -> None:
+    """`fire` as torch.compile traces it (the body of the fusedhooks::firing operator, run on fake or functional
+    tensors while tracing): only torch operators, so that the graph holds the whole firing. On CPU (and under the
+    Triton interpreter) the plan as torch ops (`reference.run`: inductor fuses them)."""
+    reference.run(plan, grad, param, scalars, stats_row)
+
+
 # --- buckets: many gradients, one launch per pass ------------------------------------------------------------
 
 @dataclass

@@ -103,6 +103,14 @@ def _names(value, option: str) -> tuple[str, ...] | None:
     return names
 
 
+def static(t: torch.Tensor) -> torch.Tensor:
+    """`t`, marked for torch.compile as a tensor that keeps its address (CUDA graphs then write it in place rather
+    than copying it in and out); on CPU as it is."""
+    if t.is_cuda:
+        torch._dynamo.mark_static_address(t)
+    return t
+
+
 def scalars_of(reading: StatsReading, prefix: str, selection: ScalarSelection | None = None) -> dict[str, float | int]:
     """`HookStats.to_scalars` of a `read()` already made: its fresh rows, flat, histograms left out; only the
     statistics `selection` selects (None: all)."""
@@ -118,6 +126,12 @@ class HookStats:
     Each backward in which the hook fires is numbered (`gates.Backwards`: overlapping backwards, such as
     reentrant checkpointing's nested one or other threads', count as one; calls by hand outside a backward
     count as one); a row remembers the number of the backward that wrote it.
+
+    Firings traced by torch.compile (compiled autograd) run no Python: once a hook is traced (`traced_books`), the
+    backward numbers live on the device too, as tensors the traced firing writes: `epoch` (int64, 0-dim, the number
+    of the most recent backward in which the hook fired) and `generations` (int64 [parameters], the number of the
+    backward that wrote each row, 0 for never). Eager firings then keep them as well (one small write per firing),
+    and `read()` tells fresh rows from them.
     """
 
     def __init__(self, stats: tuple[str, ...], input_stats: tuple[str, ...], hist_range: tuple[int, int]):
@@ -130,6 +144,8 @@ class HookStats:
         self._state: tuple[torch.Tensor | None, dict[int, torch.Tensor]] = (None, {})
         self._lock = threading.Lock()  # buffer growth (a registration) against firings in other threads
         self._growing = False
+        #: (generations, epoch) on the device once a firing was traced (see the class docstring), else None
+        self._traced: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def buffer(self) -> torch.Tensor | None:
@@ -159,21 +175,51 @@ class HookStats:
         with self._lock:  # a firing in another thread may be writing a row of the buffer now: see settle()
             self._growing = True
             try:
-                self._state = (row if self.buffer is None else torch.cat([self.buffer, row]), {})
+                buffer = row if self.buffer is None else torch.cat([self.buffer, row])
+                self._state = (buffer if self._traced is None else static(buffer), {})
             finally:
                 self._growing = False
             self.names.append(name)
             self._written.append(0)
+            if self._traced is not None:
+                generations, epoch = self._traced
+                self._traced = (static(torch.cat([generations, generations.new_zeros(1)])), epoch)
             return len(self.names) - 1
 
     def clear_row(self, index: int) -> None:
         """Forget row `index` (its name is registered again, for another tensor)."""
         self.buffer[index].fill_(math.nan)
         self._written[index] = 0
+        if self._traced is not None:
+            self._traced[0][index] = 0
 
     def begin_firing(self, backward_key: int) -> None:
         """A firing starts in the backward with autograd graph task id `backward_key`."""
+        if self._traced is None:
+            self._backwards.enter(backward_key)
+            return
+        number = self._backwards.number
         self._backwards.enter(backward_key)
+        if self._backwards.number != number:
+            self._traced[1].add_(1)
+
+    @property
+    def traced(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(generations, epoch) once a firing was traced (see `traced_books`), else None."""
+        return self._traced
+
+    def traced_books(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(generations, epoch): the backward numbers on the device that traced firings write (see the class
+        docstring), made at the first traced firing from the numbers kept so far: a row the most recent backward
+        wrote gets the epoch, 2; a row written earlier 1; a row never written 0. Called at trace time."""
+        with self._lock:
+            if self._traced is None:
+                number, device = self._backwards.number, self.buffer.device
+                generations = [0 if w == 0 else 2 if w == number else 1 for w in self._written]
+                self._traced = (static(torch.tensor(generations, dtype=torch.int64, device=device)),
+                                static(torch.full((), 2, dtype=torch.int64, device=device)))
+                static(self.buffer)
+            return self._traced
 
     def fired(self, index: int) -> bool:
         """Has row `index` been written since registration or reset()?"""
@@ -209,6 +255,10 @@ class HookStats:
         written, backward = self._written, self._backwards.number
         for index in indices:
             written[index] = backward
+        if self._traced is not None:
+            generations, epoch = self._traced
+            for index in indices:
+                generations[index] = epoch
 
     def read(self) -> StatsReading:
         """{parameter name: {statistic: value}} for every parameter that fired; one device-to-host copy.
@@ -219,10 +269,13 @@ class HookStats:
         if self.buffer is None or not self.slot_names:
             return out
         values = self.buffer.tolist()
-        for name, written, row in zip(self.names, self._written, values):
+        marks, latest = self._written, self._backwards.number
+        if self._traced is not None:
+            marks, latest = self._traced[0].tolist(), self._traced[1].item()
+        for name, written, row in zip(self.names, marks, values):
             if written:
                 entry = ParamStats()
-                entry.fresh = written == self._backwards.number
+                entry.fresh = written == latest
                 for s, v in zip(self.slot_names, row):
                     if s.endswith("hist"):
                         entry.setdefault(s, []).append(int(v))
@@ -262,7 +315,7 @@ class HookStats:
         if name not in self.names:
             raise KeyError(f"no parameter named {name!r}; registered: {self.names}")
         row = self.names.index(name)
-        if not self._written[row]:
+        if not (self._written[row] if self._traced is None else self._traced[0][row].item()):
             raise KeyError(f"no histogram of {name!r} yet: the hook has not fired on it since it was registered "
                            "or since reset()")
         columns = [i for i, s in enumerate(self.slot_names) if s == key]
@@ -275,6 +328,8 @@ class HookStats:
         if self.buffer is not None:
             self.buffer.fill_(math.nan)
         self._written = [0] * len(self._written)
+        if self._traced is not None:
+            self._traced[0].zero_()
 
     def __repr__(self) -> str:
         return f"HookStats({len(self.names)} parameters x {list(self.slot_names)})"
