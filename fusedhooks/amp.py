@@ -18,8 +18,20 @@ import torch
 from torch.amp import GradScaler
 from torch.autograd.graph import increment_version
 
+from .layout import static
+
 _WRAPPED = "__fusedhooks_bumps_versions__"
 _installed = False
+
+#: What a gradient unscaled twice (accumulated over backwards that each unscaled it) is refused with
+ACCUMULATED_MESSAGE = (
+    "already unscaled this gradient since the last scaler.update(), and a backward added scaled values to it: with "
+    "gradient accumulation, register the hook with accumulation_steps=n (or when=, or fire it under hook.paused() in "
+    "the other micro-batches) so that it unscales the accumulated gradient once per optimizer step. After a dropped "
+    "iteration, call scaler.update() or optimizer.zero_grad(set_to_none=True) first")
+#: What scaler.unscale_(optimizer) is refused with when a hook with scaler= unscaled the gradients
+UNSCALED_MESSAGE = ("a hook with scaler= unscales the gradients itself: do not call scaler.unscale_(optimizer), and "
+                    "call scaler.update() after scaler.step()")
 
 
 def bump_versions(optimizer: torch.optim.Optimizer) -> None:
@@ -39,20 +51,102 @@ def bump_versions(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _wrap(cls: type) -> None:
-    """Wrap `cls._unscale_grads_` (if `cls` defines it) so that it bumps the versions of what it unscaled."""
+    """Wrap `cls._unscale_grads_` (if `cls` defines it) so that it bumps the versions of what it unscaled, and
+    `cls.unscale_` and `cls.step` so that they take what traced firings found first (`commit_traced`)."""
     unscale = cls.__dict__.get("_unscale_grads_")
-    if unscale is None or getattr(unscale, _WRAPPED, False):
+    if unscale is not None and not getattr(unscale, _WRAPPED, False):
+        @functools.wraps(unscale)
+        def _unscale_grads_(self, optimizer, *args, **kwargs):
+            try:
+                return unscale(self, optimizer, *args, **kwargs)
+            finally:
+                bump_versions(optimizer)
+
+        setattr(_unscale_grads_, _WRAPPED, True)
+        cls._unscale_grads_ = _unscale_grads_
+    public_unscale = cls.__dict__.get("unscale_")
+    if public_unscale is not None and not getattr(public_unscale, _WRAPPED, False):
+        @functools.wraps(public_unscale)
+        def unscale_(self, optimizer, *args, **kwargs):
+            if _traced_counts(self, optimizer, peek=True):
+                raise RuntimeError(UNSCALED_MESSAGE)
+            return public_unscale(self, optimizer, *args, **kwargs)
+
+        setattr(unscale_, _WRAPPED, True)
+        cls.unscale_ = unscale_
+    step = cls.__dict__.get("step")
+    if step is not None and not getattr(step, _WRAPPED, False):
+        @functools.wraps(step)
+        def step_(self, optimizer, *args, **kwargs):
+            commit_traced(self, optimizer)
+            return step(self, optimizer, *args, **kwargs)
+
+        setattr(step_, _WRAPPED, True)
+        cls.step = step_
+
+
+#: optimizer -> [(weak reference to its GradScaler, device, found_inf, backwards)]: what the traced firings of hooks
+#: with scaler= found (found_inf, float32 0-dim) and how many traced backwards unscaled its gradients since the last
+#: commit (int64 0-dim), written on the device by the firings (see `traced_books`)
+_traced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def traced_books(scaler: GradScaler, optimizer: torch.optim.Optimizer, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(found_inf, backwards) that the traced firings on `device` of hooks unscaling for `scaler` and `optimizer`
+    write: the first firing of each traced backward zeroes found_inf and counts the backward; the others add what
+    they find. GradScaler.step then takes them as unscale_ would have found them (`commit_traced`). Called at trace
+    time; the tensors keep their address (CUDA graphs)."""
+    install()
+    entries = _traced.setdefault(optimizer, [])
+    for ref, known, found, backwards in entries:
+        if ref() is scaler and known == device:
+            return found, backwards
+    found = static(torch.zeros((), dtype=torch.float32, device=device))  # as torch's found_inf
+    backwards = static(torch.zeros((), dtype=torch.int64, device=device))
+    entries.append((weakref.ref(scaler), device, found, backwards))
+    return found, backwards
+
+
+def _traced_counts(scaler: GradScaler, optimizer: torch.optim.Optimizer, peek: bool = False
+                   ) -> dict[torch.device, tuple[torch.Tensor, int]]:
+    """{device: (found_inf, traced backwards that unscaled since the last commit)} of `scaler` and `optimizer`'s
+    traced books, those that unscaled only (one sync per device); the counts are reset unless `peek`."""
+    counts = {}
+    for ref, device, found, backwards in _traced.get(optimizer, ()):
+        if ref() is scaler:
+            n = int(backwards.item())
+            if n:
+                counts[device] = (found, n)
+                if not peek:
+                    backwards.zero_()
+    return counts
+
+
+def commit_traced(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """Before `scaler.step(optimizer)`: if traced firings unscaled the optimizer's gradients since the last step, mark
+    it as unscaled with what they found, as the eager firings do at the end of their backward (one sync per device:
+    GradScaler.step syncs on found_inf anyway). Refuses gradients that two backwards unscaled (gradient accumulation
+    without accumulation_steps=), leaving books that skip the step (found_inf set), which scaler.update() clears.
+    Nothing (and no sync) for an optimizer no traced firing unscales for."""
+    if optimizer not in _traced:
         return
+    from torch.amp.grad_scaler import OptState
 
-    @functools.wraps(unscale)
-    def _unscale_grads_(self, optimizer, *args, **kwargs):
-        try:
-            return unscale(self, optimizer, *args, **kwargs)
-        finally:
-            bump_versions(optimizer)
-
-    setattr(_unscale_grads_, _WRAPPED, True)
-    cls._unscale_grads_ = _unscale_grads_
+    counts = _traced_counts(scaler, optimizer)
+    if not counts:
+        return
+    state = scaler._per_optimizer_states[id(optimizer)]
+    twice = any(n > 1 for _, n in counts.values()) or state.get("fusedhooks")
+    if state["stage"] is not OptState.READY and not twice:
+        raise RuntimeError(UNSCALED_MESSAGE)
+    found = {device: found for device, (found, _) in counts.items()}
+    if twice:  # books that skip this step whatever happens next: scaler.update() then backs off and clears them
+        for value in found.values():
+            value.fill_(1.0)
+    commit(state, found, {})
+    if twice:
+        raise RuntimeError(f"fusedhooks: a hook with scaler= {ACCUMULATED_MESSAGE}")
 
 
 def _subclasses(cls: type) -> list[type]:

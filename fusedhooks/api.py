@@ -41,13 +41,15 @@ def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
         ops.outside_graph(hook._fire_unless_paused, param)
         return
     entry = hook.registry.get(param)
-    if entry is not None and hook.scaler is None and grad.layout == torch.strided:
-        traced = _traced_firing(hook.op_key)
+    if entry is not None and grad.layout == torch.strided:
+        traced = _traced_firing(hook.op_key, grad.device)
         if traced is not None:
             if hook.is_paused:
                 return
             books = hook.stats.traced or (None, None)
+            amp_books = hook.traced_amp.get(grad.device, (None, None))
             torch.ops.fusedhooks.firing(grad, param, hook.stats.buffer if books[0] is not None else None, *books,
+                                        hook.scaler._scale if amp_books[0] is not None else None, *amp_books,
                                         list(hook._body.scalars), hook.op_key, entry.row, traced)
             return
     stats = hook.stats.buffer if hook.stats.slot_names else None
@@ -78,16 +80,17 @@ optable.implement("fire", _fire_in_op)
 
 #: compiled autograd's graph id -> (dynamo frame id, the tracer) of the traced firing that numbers the backward, by
 #: hook key (see `_traced_firing`)
-_numbering_firings: dict[tuple[int, int], tuple[int | None, weakref.ref]] = {}
+_numbering_firings: dict[tuple[int, int, torch.device], tuple[int | None, weakref.ref]] = {}
 
 
-def _traced_firing(hook_key: int) -> bool | None:
-    """Called while dynamo traces a firing of the hook `hook_key` (a constant of the graph): None when the firing
-    is not part of a backward that compiled autograd traces (fusedhooks::fire runs it), or when a process group of
-    several ranks runs (the eager firing's distributed checks apply); else whether this firing numbers the backward
-    (increments the hook's device epoch): the first firing of the hook traced in compiled autograd's graph. A graph
-    break splits that graph into frames run in order: the first frame holding a firing of the hook numbers it, also
-    when dynamo traces that frame again (a restart, a recompile)."""
+def _traced_firing(hook_key: int, device: torch.device) -> bool | None:
+    """Called while dynamo traces a firing of the hook `hook_key` on a gradient on `device` (a constant of the graph):
+    None when the firing is not part of a backward that compiled autograd traces (fusedhooks::fire runs it), or when
+    a process group of several ranks runs (the eager firing's distributed checks apply); else whether this firing
+    numbers the backward on `device` (increments the hook's device epoch; with scaler=, zeroes found_inf and counts
+    the backward): the first firing of the hook on `device` traced in compiled autograd's graph. A graph break splits
+    that graph into frames run in order: the first frame holding such a firing numbers it, also when dynamo traces
+    that frame again (a restart, a recompile). Makes the device books the firing writes, on first use."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
     from torch._guards import CompileContext
 
@@ -100,8 +103,10 @@ def _traced_firing(hook_key: int) -> bool | None:
     hook = optable.target(hook_key)
     if hook.stats.slot_names:
         hook.stats.traced_books()
+    if hook.scaler is not None and device not in hook.traced_amp:
+        hook.traced_amp[device] = amp.traced_books(hook.scaler, hook.optimizer, device)
     tracer = InstructionTranslator.current_tx().output
-    key = (compile_id.compiled_autograd_id, hook_key)
+    key = (compile_id.compiled_autograd_id, hook_key, device)
     known = _numbering_firings.get(key)
     if known is not None and (known[1]() is tracer or known[0] != compile_id.frame_id):
         return False
@@ -126,6 +131,8 @@ def _traced_plan(hook_key: int, row: int, grad: torch.Tensor) -> tuple[Plan, obj
     hook.check_shape(hook.stats.names[row], grad)
     if hook.scalars:
         hook.check_scalars()
+    if hook.scaler is not None:
+        hook.check_covers_optimizer()
     compiled = hook._compiled_for(grad)
     return compiled.plan, compiled.kernel
 
@@ -231,6 +238,8 @@ class GradHook:
         self._found_inf_holder: dict[torch.device, weakref.ref | None] = {}  # the running backward using it
         #: graph task id -> what its firings found for the scaler, held by its end-of-backward callback
         self._amp_backwards: weakref.WeakValueDictionary[int, amp.BackwardBooks] = weakref.WeakValueDictionary()
+        #: device -> (found_inf, backwards) of its traced firings (see amp.traced_books)
+        self.traced_amp: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         #: True while any paused() block runs, in any thread (read-only: set by paused())
         self.is_paused = False
         self._pauses = 0
@@ -446,21 +455,15 @@ class GradHook:
         unscaled += [b.unscaled for b in list(self._amp_backwards.values()) if b.state is state]
         for row, grad in zip(rows, grads):
             if any((ref := done.get((self.op_key, row))) is not None and ref() is grad for done in unscaled):
-                raise RuntimeError(
-                    f"fusedhooks: {self.__name__} (scaler=) already unscaled this gradient since the last "
-                    "scaler.update(), and a backward added scaled values to it: with gradient accumulation, register "
-                    "the hook with accumulation_steps=n (or when=, or fire it under hook.paused() in the other "
-                    "micro-batches) so that it unscales the accumulated gradient once per optimizer step. After a "
-                    "dropped iteration, call scaler.update() or optimizer.zero_grad(set_to_none=True) first")
+                raise RuntimeError(f"fusedhooks: {self.__name__} (scaler=) {amp.ACCUMULATED_MESSAGE}")
         books = self._amp_backwards.get(backward_key) if backward_key >= 0 else None
         if books is None or books.state is not state:
             if state["stage"] is OptState.READY:
                 if scaler._scale is None:
                     raise RuntimeError("the GradScaler has no scale yet: call scaler.scale(loss) before backward")
-                self._check_covers_optimizer()
+                self.check_covers_optimizer()
             elif state["stage"] is OptState.STEPPED or not state.get("fusedhooks"):
-                raise RuntimeError("a hook with scaler= unscales the gradients itself: do not call "
-                                   "scaler.unscale_(optimizer), and call scaler.update() after scaler.step()")
+                raise RuntimeError(amp.UNSCALED_MESSAGE)
             books = None
             if gates.callbacks_run(backward_key):
                 books = self._amp_backwards[backward_key] = amp.BackwardBooks(state)
@@ -493,7 +496,7 @@ class GradHook:
             self._found_inf_holder[device] = None if books is None else weakref.ref(books)
             return found
 
-    def _check_covers_optimizer(self) -> None:
+    def check_covers_optimizer(self) -> None:
         registered = {id(e.tensor) for e in self.registry}
         for group in self.optimizer.param_groups:
             for p in group["params"]:

@@ -24,6 +24,14 @@ def flat_span(t: torch.Tensor) -> torch.Tensor | None:
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
+def static(t: torch.Tensor) -> torch.Tensor:
+    """`t`, marked for torch.compile as a tensor that keeps its address between calls (what a traced firing writes:
+    CUDA graphs then write it in place rather than copying it in and out); on CPU as it is."""
+    if t.is_cuda:
+        torch._dynamo.mark_static_address(t)
+    return t
+
+
 def is_dtensor(t) -> bool:
     """Is `t` a DTensor (an FSDP2-sharded parameter or its gradient)? Imports nothing: no DTensor exists before
     torch.distributed.tensor is imported."""

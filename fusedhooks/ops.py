@@ -69,13 +69,18 @@ def _(grad, param, stats, found_inf, scalars, hook_key) -> None:
     return None
 
 
-@torch.library.triton_op("fusedhooks::firing", mutates_args=("grad", "stats", "generations", "epoch"))
+@torch.library.triton_op("fusedhooks::firing",
+                         mutates_args=("grad", "stats", "generations", "epoch", "found_inf", "unscaled_backwards"))
 def firing(grad: torch.Tensor, param: torch.Tensor, stats: torch.Tensor | None, generations: torch.Tensor | None,
-           epoch: torch.Tensor | None, scalars: list[torch.Tensor], hook_key: int, row: int, bump: bool) -> None:
+           epoch: torch.Tensor | None, scale: torch.Tensor | None, found_inf: torch.Tensor | None,
+           unscaled_backwards: torch.Tensor | None, scalars: list[torch.Tensor], hook_key: int, row: int,
+           bump: bool) -> None:
     """One firing of the hook `optable.target(hook_key)` on `param`'s gradient `grad` as a function of tensors: the
     body applied to `grad` in place, the statistics written into row `row` of `stats` ([parameters, slots] float64,
     None: the hook records none) and the backward's number into `generations[row]` (int64 [parameters]), `epoch`
-    (int64, 0-dim) first incremented when `bump` (the first firing of the hook in a traced backward).
+    (int64, 0-dim) first incremented when `bump` (the first firing of the hook in a traced backward on this device).
+    With scaler=: `grad` unscaled by GradScaler's `scale` first, NaN/Inf found added to `found_inf` (float32, 0-dim),
+    which `bump` zeroes first, counting the backward in `unscaled_backwards` (int64, 0-dim: see amp.traced_books).
 
     A `torch.library.triton_op`: torch.compile traces into it, so a compiled graph holds its kernels (on CUDA the
     generated Triton kernels through `wrap_triton`, on CPU the plan as torch ops) and no Python of fusedhooks runs
@@ -86,7 +91,14 @@ def firing(grad: torch.Tensor, param: torch.Tensor, stats: torch.Tensor | None, 
         if bump:
             epoch.add_(1)
         generations[row].copy_(epoch)
-    runtime.fire_traced(plan, module, grad, param, scalars, None if stats is None or not plan.slots else stats[row])
+    amp = None
+    if scale is not None and found_inf is not None and unscaled_backwards is not None:
+        if bump:
+            found_inf.zero_()
+            unscaled_backwards.add_(1)
+        amp = (scale, found_inf)
+    runtime.fire_traced(plan, module, grad, param, scalars, None if stats is None or not plan.slots else stats[row],
+                        amp)
 
 
 def _call(fn, *args):

@@ -314,11 +314,11 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
 
 
 def fire_traced(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: list[torch.Tensor],
-                stats_row: torch.Tensor | None) -> None:
+                stats_row: torch.Tensor | None, amp: tuple | None = None) -> None:
     """`fire` as torch.compile traces it (the body of the fusedhooks::firing operator, run on fake or functional
     tensors while tracing): only torch operators, so that the graph holds the whole firing. On CPU (and under the
-    Triton interpreter) the plan as torch ops (`reference.run`: inductor fuses them)."""
-    reference.run(plan, grad, param, scalars, stats_row)
+    Triton interpreter) the plan as torch ops (`reference.run`: inductor fuses them). amp: (scale, found_inf)."""
+    reference.run(plan, grad, param, scalars, stats_row, amp)
 
 
 # --- buckets: many gradients, one launch per pass ------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 
 from .gates import Backwards
 from .ir import COUNT_STATS, STAT_NAMES
+from .layout import static
 from .plan import slot_names
 
 
@@ -101,14 +102,6 @@ def _names(value, option: str) -> tuple[str, ...] | None:
     if names is None or not names or not all(isinstance(name, str) for name in names):
         raise ValueError(f"{option}= takes a name or a non-empty sequence of names (None: all), not {value!r}")
     return names
-
-
-def static(t: torch.Tensor) -> torch.Tensor:
-    """`t`, marked for torch.compile as a tensor that keeps its address (CUDA graphs then write it in place rather
-    than copying it in and out); on CPU as it is."""
-    if t.is_cuda:
-        torch._dynamo.mark_static_address(t)
-    return t
 
 
 def scalars_of(reading: StatsReading, prefix: str, selection: ScalarSelection | None = None) -> dict[str, float | int]:
