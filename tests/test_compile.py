@@ -9,6 +9,7 @@ compares the graph breaks of a step with hooks with those of the same step witho
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -153,28 +154,63 @@ def test_compiled_autograd_eager_backend_and_torch_registered_hook():
     assert breaks == breaks_without
 
 
-def test_compiled_autograd_with_buckets():
-    """Under compiled autograd a hook registered with bucket_mb= processes each gradient at its own firing:
-    the same gradients and statistics as the eager end-of-backward buckets."""
-    expected, _ = train("triton", "eager", None, bucket_mb=1)
-    _, breaks_without = train("triton", "compiled_autograd", "aot_eager", hooked=False)
-    got, breaks = train("triton", "compiled_autograd", "aot_eager", bucket_mb=1)
-    assert_same(got, expected)
+def make_agc_hook(backend):
+    return fh.agc(0.01, stats=STATS, backend=backend)
+
+
+#: The compiled-autograd scenarios: train() options
+SCENARIOS = {
+    "register": {},
+    # a hook registered with bucket_mb=: under compiled autograd each gradient is processed at its own firing, with
+    # the same gradients and statistics as the eager end-of-backward buckets
+    "buckets": {"bucket_mb": 1},
+    # a body that reduces over dimensions (planned per shape; one kernel over units)
+    "agc": {"make": make_agc_hook},
+    # a hook registered through torch directly: its first firing registers the tensor through fusedhooks::fire, and
+    # the graph, recompiled once for the new row, fires through fusedhooks::firing from then on
+    "torch_registered": {"torch_hook": True},
+}
+
+
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_compiled_autograd_scenarios_fire_through_the_traced_op(scenario, compile_backend):
+    """Each scenario over 3 steps under compiled autograd with aot_eager and inductor: the same gradients and
+    statistics as eager, no graph break of fusedhooks' making, and the backward graphs of the last step fire through
+    fusedhooks::firing (the firing as a function of tensors), never the opaque fusedhooks::fire."""
+    graphs = []
+    inner = torch._dynamo.backends.registry.lookup_backend(compile_backend)
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return inner(gm, example_inputs)
+
+    options = SCENARIOS[scenario]
+    expected, _ = train("triton", "eager", None, steps=3, **options)
+    unhooked, breaks_without = train("triton", "compiled_autograd", compile_backend, hooked=False, steps=3)
+    graphs.clear()
+    got, breaks = train("triton", "compiled_autograd", backend, steps=3, **options)
+    # AGC's norms round as torch's ops round them, not as the Triton kernel's reduction does
+    if scenario == "torch_registered":
+        # tensors registered at their first firing are named in firing order, which compiled autograd may change:
+        # the rows are compared by the gradient each describes
+        got, expected = ([(grads, _rows_by_norm(stats)) for grads, stats in run] for run in (got, expected))
+    assert_same(got, expected, grads_rtol=REDUCTION_RTOL[torch.float32] if scenario == "agc" else 0.0)
     assert breaks == breaks_without
+    assert not torch.equal(unhooked[0][0]["0.weight"], expected[0][0]["0.weight"])  # the hook did something
+    ops = [{n.target for n in gm.graph.nodes} for gm in graphs]
+    firing = [bool(targets & {torch.ops.fusedhooks.firing, torch.ops.fusedhooks.firing.default}) for targets in ops]
+    opaque = [bool(targets & {torch.ops.fusedhooks.fire, torch.ops.fusedhooks.fire.default}) for targets in ops]
+    assert any(firing) and not any(f and o for f, o in zip(firing, opaque))
+    assert any(opaque) == (scenario == "torch_registered")
 
 
-def test_compiled_autograd_with_an_agc_hook():
-    """A body that reduces over dimensions (planned per shape; one kernel over units) traced as a fusedhooks::firing
-    op: the same gradients (within the rounding of the norms it clips by) and statistics as eager."""
-    def make(backend):
-        return fh.agc(0.01, stats=STATS, backend=backend)
-
-    expected, _ = train("triton", "eager", None, make=make)
-    unhooked, breaks_without = train("triton", "compiled_autograd", "aot_eager", hooked=False)
-    got, breaks = train("triton", "compiled_autograd", "aot_eager", make=make)
-    assert_same(got, expected, grads_rtol=REDUCTION_RTOL[torch.float32])
-    assert breaks == breaks_without
-    assert not torch.equal(unhooked[0][0]["0.weight"], expected[0][0]["0.weight"])  # AGC clipped
+def _rows_by_norm(stats):
+    """`stats` (a read()) with its rows named by their rank in norm order."""
+    out = type(stats)()
+    for i, (_, row) in enumerate(sorted(stats.items(), key=lambda item: item[1]["norm"])):
+        out[f"row{i}"] = row
+    return out
 
 
 def test_compiled_autograd_inductor():
@@ -810,3 +846,61 @@ def test_amp_traced_refuses_a_gradient_unscaled_twice_and_unscale_by_hand():
         scaler.unscale_(opt)
     scaler.step(opt)  # still takes what the backward found
     scaler.update()
+
+
+def python_state(obj, depth: int = 4, seen=None):
+    """What `obj` holds in Python, walked through attributes, dicts, lists and tuples down to `depth`: tensors by
+    identity (their values are device state), weak references by their referent, other leaves by repr."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", id(obj))
+    if isinstance(obj, weakref.ref):
+        target = obj()
+        return ("weakref", id(target) if target is not None else None)
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return repr(obj)
+    if depth == 0 or id(obj) in seen or callable(obj) and not hasattr(obj, "__dict__"):
+        return repr(type(obj))
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        return {repr(k): python_state(v, depth - 1, seen) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [python_state(v, depth - 1, seen) for v in obj]
+    attributes = getattr(obj, "__dict__", None)
+    if attributes is None and hasattr(obj, "__slots__"):
+        attributes = {name: getattr(obj, name, None) for name in obj.__slots__}
+    if attributes is None:
+        return repr(obj)
+    return {name: python_state(v, depth - 1, seen) for name, v in attributes.items()}
+
+
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["stats", "stats-and-scaler"])
+def test_a_traced_firing_changes_only_device_state(with_scaler):
+    """No per-firing state lives only in Python: a warm traced backward leaves everything the hook holds in Python as it
+    was (what CUDA graphs replay without Python), while the gradients, the statistics and the device books change."""
+    torch._dynamo.reset()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if with_scaler else None
+    hook = fh.grad_hook(lambda g: g.clamp(-0.01, 0.01) * 0.5, stats=STATS, scaler=scaler,
+                        optimizer=opt if with_scaler else None)
+    hook.register(model)
+    g = torch.Generator().manual_seed(4)
+
+    def backward():
+        loss = model(torch.randn(5, 8, generator=g)).square().sum()
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            (scaler.scale(loss) if with_scaler else loss).backward()
+
+    for _ in range(2):  # compiled, then warm
+        backward()
+        opt.zero_grad(set_to_none=False)
+    before = python_state(hook)
+    device = [t.clone() for t in (hook.stats.tensor, *hook.stats.traced, *hook.traced_amp.get(torch.device("cpu"), ()))]
+    backward()
+    assert python_state(hook) == before
+    after = [hook.stats.tensor, *hook.stats.traced, *hook.traced_amp.get(torch.device("cpu"), ())]
+    assert not torch.equal(after[0], device[0])  # new statistics
+    assert after[2].item() == device[2].item() + 1  # the epoch: one backward more
+    if with_scaler:
+        assert after[4].item() == device[4].item() + 1  # one more backward unscaled since the last step
