@@ -12,12 +12,14 @@ bumped afterwards, as any in-place op bumps them: nothing else changes.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 
 import torch
 from torch.amp import GradScaler
 from torch.autograd.graph import increment_version
 
+from . import gates
 from .layout import static
 
 _WRAPPED = "__fusedhooks_bumps_versions__"
@@ -206,3 +208,95 @@ def commit(state: dict, found: dict[torch.device, torch.Tensor], unscaled: dict[
             books[device] = value
         elif kept is not value:
             kept.add_(value)
+
+
+class HookAmp:
+    """The GradScaler books of one hook with scaler=, optimizer= (the eager firings' and the traced firings'): the
+    hook's name (for messages), its operator key and its registry (the tensors it processes) are all it is handed."""
+
+    def __init__(self, scaler: GradScaler, optimizer: torch.optim.Optimizer, name: str, key: int, registry):
+        self.scaler, self.optimizer, self.name, self.key, self.registry = scaler, optimizer, name, key, registry
+        #: device -> the hook's own found_inf (fp32, 0-dim), reused while the scaler's books do not hold it
+        self.found_inf: dict[torch.device, torch.Tensor] = {}
+        self._holder: dict[torch.device, weakref.ref | None] = {}  # the running backward using it
+        #: graph task id -> what its firings found for the scaler, held by its end-of-backward callback
+        self._backwards: weakref.WeakValueDictionary[int, BackwardBooks] = weakref.WeakValueDictionary()
+        #: device -> (found_inf, backwards) of its traced firings (see `traced_books`)
+        self.traced: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def tensors(self, device: torch.device, backward_key: int, rows: list[int],
+                grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, found_inf) for a firing on the gradients `grads` of `rows` in the backward `backward_key`; when
+        that backward ends normally, the optimizer is marked as unscaled in the scaler's books with what it found
+        (`BackwardBooks`), as scaler.unscale_(optimizer) would, so that scaler.step() neither unscales again nor
+        steps on NaN/Inf, and scaler.update() backs off as usual; a backward that raises leaves the books as they
+        were. Outside a backward (a call by hand) the books are kept at once. A gradient tensor this hook already
+        unscaled since the last scaler.update() (in an earlier backward, or earlier in an overlapping one) is
+        refused: a backward added scaled values to it (gradient accumulation without accumulation_steps=). A new
+        gradient tensor (zero_grad(set_to_none=True) after a dropped iteration) is not. Host bookkeeping only."""
+        from torch.amp.grad_scaler import OptState
+
+        scaler = self.scaler
+        state = scaler._per_optimizer_states[id(self.optimizer)]
+        unscaled = [state.get("fusedhooks_unscaled") or {}]
+        unscaled += [b.unscaled for b in list(self._backwards.values()) if b.state is state]
+        for row, grad in zip(rows, grads):
+            if any((ref := done.get((self.key, row))) is not None and ref() is grad for done in unscaled):
+                raise RuntimeError(f"fusedhooks: {self.name} (scaler=) {ACCUMULATED_MESSAGE}")
+        books = self._backwards.get(backward_key) if backward_key >= 0 else None
+        if books is None or books.state is not state:
+            if state["stage"] is OptState.READY:
+                if scaler._scale is None:
+                    raise RuntimeError("the GradScaler has no scale yet: call scaler.scale(loss) before backward")
+                self.check_covers_optimizer()
+            elif state["stage"] is OptState.STEPPED or not state.get("fusedhooks"):
+                raise RuntimeError(UNSCALED_MESSAGE)
+            books = None
+            if gates.callbacks_run(backward_key):
+                books = self._backwards[backward_key] = BackwardBooks(state)
+                torch.autograd.Variable._execution_engine.queue_callback(books)
+        if books is None:  # outside a backward (or under compiled autograd): into the books now
+            found = state["found_inf_per_device"].get(device)
+            if found is None:
+                found = self._found_inf_buffer(device, state)
+            commit(state, {device: found}, {(self.key, row): weakref.ref(g) for row, g in zip(rows, grads)})
+            return scaler._scale, found
+        books.unscaled.update({(self.key, row): weakref.ref(g) for row, g in zip(rows, grads)})
+        found = books.found.get(device)
+        if found is None:
+            found = books.found[device] = self._found_inf_buffer(device, state, books)
+        return scaler._scale, found
+
+    def _found_inf_buffer(self, device: torch.device, state: dict, books: BackwardBooks | None = None) -> torch.Tensor:
+        """A zeroed found_inf for `device` (for the backward of `books`): the hook's own (no allocation once warmed
+        up, for CUDA graphs), or a new one while the hook's own is taken: by the scaler's books (an earlier
+        backward of this iteration found it) or by another backward still running (in another thread)."""
+        with self._lock:
+            found = self.found_inf.get(device)
+            holder = self._holder.get(device)
+            if (found is None or state["found_inf_per_device"].get(device) is found
+                    or (holder is not None and holder() is not None and holder() is not books)):
+                found = self.found_inf[device] = torch.zeros((), device=device)  # fp32, 0-dim: as torch's
+            else:
+                found.zero_()
+            self._holder[device] = None if books is None else weakref.ref(books)
+            return found
+
+    def check_covers_optimizer(self) -> None:
+        """Refuse an optimizer stepping a parameter the hook is not registered on (it unscales for all of them)."""
+        registered = {id(e.tensor) for e in self.registry}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in registered:
+                    raise RuntimeError("with scaler=, the hook unscales for the whole optimizer: register it on "
+                                       "every parameter the optimizer steps (a parameter of shape "
+                                       f"{tuple(p.shape)} is not registered)")
+
+    def traced_books(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(found_inf, backwards) the hook's traced firings on `device` write (module-level `traced_books`), made on
+        first use (at trace time)."""
+        books = self.traced.get(device)
+        if books is None:
+            books = self.traced[device] = traced_books(self.scaler, self.optimizer, device)
+        return books

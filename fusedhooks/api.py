@@ -47,13 +47,13 @@ def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
             if hook.is_paused:
                 return
             books = hook.stats.traced or (None, None)
-            amp_books = hook.traced_amp.get(grad.device, (None, None))
+            amp_books = hook.amp.traced.get(grad.device, (None, None)) if hook.amp is not None else (None, None)
             torch.ops.fusedhooks.firing(grad, param, hook.stats.buffer if books[0] is not None else None, *books,
                                         hook.scaler._scale if amp_books[0] is not None else None, *amp_books,
                                         list(hook._body.scalars), hook.op_key, entry.row, traced)
             return
     stats = hook.stats.buffer if hook.stats.slot_names else None
-    found_inf = hook._found_inf.get(grad.device) if hook.scaler is not None else None
+    found_inf = hook.amp.found_inf.get(grad.device) if hook.amp is not None else None
     torch.ops.fusedhooks.fire(grad, param, stats, found_inf, list(hook._body.scalars), hook.op_key)
 
 
@@ -64,7 +64,7 @@ def _fire_in_op(hook: GradHook, param: torch.Tensor, grad: torch.Tensor
     if hook.is_paused:
         return None
     hook.fire(param, hook.registry.get(param), grad=grad)
-    return hook.stats.buffer, hook._found_inf
+    return hook.stats.buffer, hook.amp.found_inf if hook.amp is not None else {}
 
 
 def run_outside_graph(fn, *args) -> None:
@@ -103,8 +103,8 @@ def _traced_firing(hook_key: int, device: torch.device) -> bool | None:
     hook = optable.target(hook_key)
     if hook.stats.slot_names:
         hook.stats.traced_books()
-    if hook.scaler is not None and device not in hook.traced_amp:
-        hook.traced_amp[device] = amp.traced_books(hook.scaler, hook.optimizer, device)
+    if hook.amp is not None:
+        hook.amp.traced_books(device)
     tracer = InstructionTranslator.current_tx().output
     key = (compile_id.compiled_autograd_id, hook_key, device)
     known = _numbering_firings.get(key)
@@ -131,8 +131,8 @@ def _traced_plan(hook_key: int, row: int, grad: torch.Tensor) -> tuple[Plan, obj
     hook.check_shape(hook.stats.names[row], grad)
     if hook.scalars:
         hook.check_scalars()
-    if hook.scaler is not None:
-        hook.check_covers_optimizer()
+    if hook.amp is not None:
+        hook.amp.check_covers_optimizer()
     compiled = hook._compiled_for(grad)
     return compiled.plan, compiled.kernel
 
@@ -234,12 +234,6 @@ class GradHook:
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler= takes a torch.amp.GradScaler, not {type(scaler).__name__}")
         self.scaler, self.optimizer = scaler, optimizer
-        self._found_inf: dict[torch.device, torch.Tensor] = {}
-        self._found_inf_holder: dict[torch.device, weakref.ref | None] = {}  # the running backward using it
-        #: graph task id -> what its firings found for the scaler, held by its end-of-backward callback
-        self._amp_backwards: weakref.WeakValueDictionary[int, amp.BackwardBooks] = weakref.WeakValueDictionary()
-        #: device -> (found_inf, backwards) of its traced firings (see amp.traced_books)
-        self.traced_amp: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         #: True while any paused() block runs, in any thread (read-only: set by paused())
         self.is_paused = False
         self._pauses = 0
@@ -276,6 +270,9 @@ class GradHook:
             functools.update_wrapper(self, fn, updated=())
         else:
             self.__name__ = "stats_only_hook"
+        #: the GradScaler books of scaler= (None without it)
+        self.amp = None if scaler is None else amp.HookAmp(scaler, optimizer, self.__name__, self.op_key,
+                                                            self.registry)
 
     # --- calling ----------------------------------------------------------------------------------
 
@@ -439,71 +436,9 @@ class GradHook:
 
     def amp_tensors(self, device: torch.device, backward_key: int, rows: list[int],
                     grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, found_inf) for a firing on the gradients `grads` of `rows` in the backward `backward_key`; when
-        that backward ends normally, the optimizer is marked as unscaled in the scaler's books with what it found
-        (`amp.BackwardBooks`), as scaler.unscale_(optimizer) would, so that scaler.step() neither unscales again
-        nor steps on NaN/Inf, and scaler.update() backs off as usual; a backward that raises leaves the books as
-        they were. Outside a backward (a call by hand) the books are kept at once. A gradient tensor this hook
-        already unscaled since the last scaler.update() (in an earlier backward, or earlier in an overlapping one)
-        is refused: a backward added scaled values to it (gradient accumulation without accumulation_steps=). A new
-        gradient tensor (zero_grad(set_to_none=True) after a dropped iteration) is not. Host bookkeeping only."""
-        from torch.amp.grad_scaler import OptState
-
-        scaler = self.scaler
-        state = scaler._per_optimizer_states[id(self.optimizer)]
-        unscaled = [state.get("fusedhooks_unscaled") or {}]
-        unscaled += [b.unscaled for b in list(self._amp_backwards.values()) if b.state is state]
-        for row, grad in zip(rows, grads):
-            if any((ref := done.get((self.op_key, row))) is not None and ref() is grad for done in unscaled):
-                raise RuntimeError(f"fusedhooks: {self.__name__} (scaler=) {amp.ACCUMULATED_MESSAGE}")
-        books = self._amp_backwards.get(backward_key) if backward_key >= 0 else None
-        if books is None or books.state is not state:
-            if state["stage"] is OptState.READY:
-                if scaler._scale is None:
-                    raise RuntimeError("the GradScaler has no scale yet: call scaler.scale(loss) before backward")
-                self.check_covers_optimizer()
-            elif state["stage"] is OptState.STEPPED or not state.get("fusedhooks"):
-                raise RuntimeError(amp.UNSCALED_MESSAGE)
-            books = None
-            if gates.callbacks_run(backward_key):
-                books = self._amp_backwards[backward_key] = amp.BackwardBooks(state)
-                torch.autograd.Variable._execution_engine.queue_callback(books)
-        if books is None:  # outside a backward (or under compiled autograd): into the books now
-            found = state["found_inf_per_device"].get(device)
-            if found is None:
-                found = self._found_inf_buffer(device, state)
-            amp.commit(state, {device: found}, {(self.op_key, row): weakref.ref(g) for row, g in zip(rows, grads)})
-            return scaler._scale, found
-        books.unscaled.update({(self.op_key, row): weakref.ref(g) for row, g in zip(rows, grads)})
-        found = books.found.get(device)
-        if found is None:
-            found = books.found[device] = self._found_inf_buffer(device, state, books)
-        return scaler._scale, found
-
-    def _found_inf_buffer(self, device: torch.device, state: dict,
-                          books: amp.BackwardBooks | None = None) -> torch.Tensor:
-        """A zeroed found_inf for `device` (for the backward of `books`): the hook's own (no allocation once warmed
-        up, for CUDA graphs), or a new one while the hook's own is taken: by the scaler's books (an earlier
-        backward of this iteration found it) or by another backward still running (in another thread)."""
-        with self._state_lock:
-            found = self._found_inf.get(device)
-            holder = self._found_inf_holder.get(device)
-            if (found is None or state["found_inf_per_device"].get(device) is found
-                    or (holder is not None and holder() is not None and holder() is not books)):
-                found = self._found_inf[device] = torch.zeros((), device=device)  # fp32, 0-dim: as torch's
-            else:
-                found.zero_()
-            self._found_inf_holder[device] = None if books is None else weakref.ref(books)
-            return found
-
-    def check_covers_optimizer(self) -> None:
-        registered = {id(e.tensor) for e in self.registry}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in registered:
-                    raise RuntimeError("with scaler=, the hook unscales for the whole optimizer: register it on "
-                                       "every parameter the optimizer steps (a parameter of shape "
-                                       f"{tuple(p.shape)} is not registered)")
+        """(scale, found_inf) for a firing on the gradients `grads` of `rows` in the backward `backward_key`, its
+        books kept (see amp.HookAmp.tensors)."""
+        return self.amp.tensors(device, backward_key, rows, grads)
 
     # --- compiling --------------------------------------------------------------------------------
 

@@ -895,11 +895,14 @@ def test_a_traced_firing_changes_only_device_state(with_scaler):
     for _ in range(2):  # compiled, then warm
         backward()
         opt.zero_grad(set_to_none=False)
+    def device_state():
+        return [hook.stats.tensor, *hook.stats.traced, *(hook.amp.traced[torch.device("cpu")] if hook.amp else ())]
+
     before = python_state(hook)
-    device = [t.clone() for t in (hook.stats.tensor, *hook.stats.traced, *hook.traced_amp.get(torch.device("cpu"), ()))]
+    device = [t.clone() for t in device_state()]
     backward()
     assert python_state(hook) == before
-    after = [hook.stats.tensor, *hook.stats.traced, *hook.traced_amp.get(torch.device("cpu"), ())]
+    after = device_state()
     assert not torch.equal(after[0], device[0])  # new statistics
     assert after[2].item() == device[2].item() + 1  # the epoch: one backward more
     if with_scaler:
