@@ -907,3 +907,34 @@ def test_a_traced_firing_changes_only_device_state(with_scaler):
     assert after[2].item() == device[2].item() + 1  # the epoch: one backward more
     if with_scaler:
         assert after[4].item() == device[4].item() + 1  # one more backward unscaled since the last step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_traced_firing_records_every_statistic(dtype):
+    """Every statistic, the histogram and input statistics of a traced firing (the plan's torch ops, the histogram
+    without a data-dependent shape), with non-finite gradients (an Inf input): equal to eager's over 3 steps."""
+    def run(compiled):
+        torch._dynamo.reset()
+        model = make_model().to(dtype)
+        hook = fh.grad_hook(lambda g: g.nan_to_num(0.0, 1.0, -1.0).clamp(-0.05, 0.05) * 0.5,
+                            stats=("all", "hist"), input_stats=("norm", "nan", "inf", "hist"))
+        hook.register(model)
+        g = torch.Generator().manual_seed(5)
+        out = []
+        for i in range(3):
+            x = torch.randn(5, 8, generator=g).to(dtype)
+            if i == 1:
+                x[0, 0] = float("inf")  # NaN and Inf in the first layer's gradients
+            loss = model(x).square().sum()
+            if compiled:
+                with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                    loss.backward()
+            else:
+                loss.backward()
+            out.append(({n: p.grad.clone() for n, p in model.named_parameters()}, hook.stats.read()))
+            model.zero_grad(set_to_none=False)
+        return out
+
+    expected, got = run(False), run(True)
+    assert any(row["input.nan"] or row["input.inf"] for row in expected[1][1].values())
+    assert_same(got, expected)
