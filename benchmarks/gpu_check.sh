@@ -59,6 +59,9 @@ step install   30 "$PY" -m pip install --no-deps --no-build-isolation -e .
 # The ahead-of-time build report for this GPU's architecture, with this machine's triton (registers, spills,
 # vector widths next to the measured bandwidth).
 step build     45 "$PY" -m fusedhooks build --target cuda:90 --dtypes fp32,bf16 --json "$out/build.json"
+# Every test marked gpu, among them the compiled and captured firings (tests/test_compile_cuda.py): the wrap_triton
+# path of fusedhooks::firing under inductor with compiled autograd, mode="reduce-overhead" with compiled autograd,
+# and a torch.cuda.graph capture of an eager step, each against eager over steps with new inputs.
 step gpu-tests 110 "$PY" -m pytest -q -m gpu tests/ --durations=15 -rfE --tb=short $(xdist 8)
 # The CPU-tensor tests need the interpreter (conftest skips them on a CUDA machine without it): a first part of the
 # quick run, for this machine's older torch and triton (CI runs all of it on the newest). The integrations' packages

@@ -135,6 +135,21 @@ class Workspace:
         return buffer
 
 
+class FreshWorkspace:
+    """The workspace of a traced firing (`fire_traced`): every buffer allocated at each call, zeroed where the kernels
+    expect zeros (`WORKSPACE_BUFFERS`), so that a graph torch.compile traces holds them as its own allocations (no
+    tensor of this process captured as a constant; inductor plans their memory, CUDA graphs take them from their
+    pool)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def buffer(self, role: str, n: int) -> torch.Tensor:
+        """A new buffer of launch-spec role `role` of `n` elements (at least one)."""
+        dtype, zeroed = WORKSPACE_BUFFERS[role]
+        return (torch.zeros if zeroed else torch.empty)(max(n, 1), dtype=dtype, device=self.device)
+
+
 #: The workspace's buffers, by launch-spec role: (dtype, zeroed: the kernels leave every element 0 again)
 WORKSPACE_BUFFERS = {
     "partials": (torch.float64, False), "reduced": (torch.float64, False), "units": (torch.float64, False),
@@ -231,13 +246,28 @@ def bind(module, multi: bool, grid: int, workspace: Workspace, scalars: list[tor
                  tuple({} for _ in names))
 
 
-def run_bound(bound: Bound, tensors: dict) -> None:
-    """Launch `bound` with this firing's tensors ({role: tensor} for the roles of bound.slots)."""
+def bound_args(bound: Bound, tensors: dict) -> list:
+    """The arguments of `bound`'s kernels with this firing's tensors ({role: tensor} for the roles of bound.slots)."""
     args = bound.args.copy()
     for role, position in bound.slots:
         args[position] = tensors[role]
+    return args
+
+
+def run_bound(bound: Bound, tensors: dict) -> None:
+    """Launch `bound` with this firing's tensors ({role: tensor} for the roles of bound.slots)."""
+    args = bound_args(bound, tensors)
     for kernel, grid, fast in zip(bound.kernels, bound.grids, bound.fast):
         launch(kernel, grid, *args, fast=fast, **bound.meta)
+
+
+def launch_traced(kernel, grid: tuple, *args, **meta) -> None:
+    """A kernel launch of a traced firing (`fire_traced`): through `torch.library.wrap_triton`, so that the graph
+    torch.compile traces holds it (a triton_kernel_wrapper node: inductor schedules the kernel and knows what it
+    writes; outside tracing it launches the kernel). num_warps/num_stages become the one configuration of the
+    kernel; `enable_fp_fusion` is a compile option the graph's eager run honours and inductor does not (it compiles a
+    user kernel with Triton's default, FMA contraction on)."""
+    torch.library.wrap_triton(kernel)[grid](*args, **meta)
 
 
 def kernel_meta(module, device: torch.device, numel: int, block: int, hint: bool, dtype: torch.dtype) -> dict:
@@ -313,12 +343,59 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
             increment_version(grad)  # the kernel wrote through a raw pointer: tell autograd, as mul_ would
 
 
+def traced_launches(plan: Plan, module, grad: torch.Tensor) -> bool:
+    """Does `fire_traced` launch `module`'s kernels for `grad` (else it runs the plan as torch ops): a generated
+    Triton module, a non-empty CUDA gradient, Triton compiling (not interpreting)."""
+    return (plan.backend == "triton" and module is not None and grad.device.type == "cuda"
+            and not config.triton_interpret() and grad.numel() != 0)
+
+
+def bind_traced(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: list[torch.Tensor],
+                stats_row: torch.Tensor | None) -> tuple[Bound, dict] | None:
+    """The launches of a traced firing of `module`'s kernels on `grad` (see `fire_traced`): (the Bound, this
+    firing's tensors by role), or None when they cannot be traced (then the plan runs as torch ops).
+
+    The Bound is `bind_single`'s (one launch specification for both paths) with a FreshWorkspace; what `fire`
+    decides from addresses is decided without them, tensors being fake or functional here: the ALIGNED hint is
+    False (the address is not known when tracing; False is always right, at the cost of the 128-bit vector accesses), a
+    non-contiguous gradient (or, with a param-reading body, parameter) goes as a contiguous copy. An integer argument
+    equal to 1 (a one-element gradient, a single unit) is refused: inductor specialises it into a constant of the
+    compiled user kernel whatever `do_not_specialize` says, where the kernels need a tensor (`.to()`)."""
+    numel = int(grad.numel())  # a symbolic size is specialised here: one kernel launch per shape
+    work = grad.contiguous()
+    pspan = param.contiguous() if plan.graph.uses_param else None
+    units = plan.units.unit_sizes if module.SPEC.one_pass else None
+    bound = bind_single(module, numel, False, grad.device, grad.dtype, FreshWorkspace(grad.device), scalars,
+                        units=units)
+    if any(type(a) is int and a == 1 for a in bound.args):
+        return None
+    return bound, {"grad": work, "param": pspan, "stats": stats_row}
+
+
 def fire_traced(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: list[torch.Tensor],
                 stats_row: torch.Tensor | None, amp: tuple | None = None) -> None:
     """`fire` as torch.compile traces it (the body of the fusedhooks::firing operator, run on fake or functional
-    tensors while tracing): only torch operators, so that the graph holds the whole firing. On CPU (and under the
-    Triton interpreter) the plan as torch ops (`reference.run`: inductor fuses them). amp: (scale, found_inf)."""
-    reference.run(plan, grad, param, scalars, stats_row, amp)
+    tensors while tracing): only torch operators, so that the graph holds the whole firing, and no host sync.
+    amp: (scale, found_inf) when the hook unscales for a GradScaler.
+
+    On CUDA with Triton kernels (`traced_launches`): the kernels `fire` launches, launched through `launch_traced`
+    (`torch.library.wrap_triton`) with their workspace allocated by the call (`bind_traced`); a gradient that is
+    not contiguous is processed as a copy, copied back. Otherwise (CPU, the Triton interpreter, the eager and
+    reference backends, an empty gradient) the plan as torch ops (`reference.run`: inductor fuses them)."""
+    launches = bind_traced(plan, module, grad, param, scalars, stats_row) if traced_launches(plan, module, grad) \
+        else None
+    if launches is None:
+        reference.run(plan, grad, param, scalars, stats_row, amp)
+        return
+    bound, tensors = launches
+    if amp is not None:
+        tensors["scale"], tensors["found_inf"] = amp
+    args = bound_args(bound, tensors)
+    for kernel, grid in zip(bound.kernels, bound.grids):
+        launch_traced(kernel, grid, *args, **bound.meta)
+    work = tensors["grad"]
+    if plan.writes and work is not grad:
+        grad.copy_(work.view(grad.shape))
 
 
 # --- buckets: many gradients, one launch per pass ------------------------------------------------------------
