@@ -51,7 +51,7 @@ def next_pow2(n: int) -> int:
 
 
 def units_launch(block: int, units: list[tuple[int, int]]) -> dict:
-    """UNITS and ELEMENTS of a one-pass launch over whole units (codegen.LaunchSpec.one_pass) on gradients of
+    """UNITS and ELEMENTS of a one-pass launch over whole units (launch_spec.LaunchSpec.one_pass) on gradients of
     `units` ((units, elements of each) per gradient): ELEMENTS lanes hold the longest unit, UNITS units fill BLOCK
     lanes (at least one, no more than a gradient has)."""
     elements = next_pow2(max(n for _, n in units))

@@ -4,7 +4,7 @@
 for a body that reduces over dimensions. The rules that differ by device live here: torch's CPU and CUDA kernels
 round scalar operands, divide by Python numbers, raise to powers and compute transcendentals differently, and the
 generated source follows the device it is for (measured on CPU with torch 2.13 and on an H200 with torch 2.11).
-codegen.py assembles these expressions into kernels.
+kernel_writer.py and units_kernels.py assemble these expressions into kernels (codegen.py: the whole source).
 """
 
 from __future__ import annotations

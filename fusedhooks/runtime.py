@@ -403,7 +403,7 @@ def fire_traced(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, sca
 @dataclass
 class BucketTable:
     """The int64 table a `..._multi` kernel reads, for one bucket of gradients (one dtype, one device): the
-    parts of codegen.TABLE_PARTS (grad addresses, param addresses, numels, blocks per gradient, stats row
+    parts of launch_spec.TABLE_PARTS (grad addresses, param addresses, numels, blocks per gradient, stats row
     offsets, partials offsets), each n_tensors long, then (gradient, block) of each program.
 
     Built once per bucket layout (the gradients' sizes and rows) with its launches bound (`bound`, one per

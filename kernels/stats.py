@@ -10,7 +10,7 @@ import triton.language as tl
 
 #: slots of a partials row: sum, sum of squares, M2 (sum of squared deviations from the block mean),
 #: min, max (NaN excluded), counts of NaN, +-Inf and zeros
-N_PARTIALS = tl.constexpr(8)  # fusedhooks.codegen.PARTIAL_WIDTH
+N_PARTIALS = tl.constexpr(8)  # fusedhooks.launch_spec.PARTIAL_WIDTH
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 import torch
 
 import fusedhooks as fh
-from fusedhooks import codegen
+from fusedhooks import kernel_cache
 
 from test_ops import fire
 
@@ -14,7 +14,7 @@ def clip(grad):
 
 def test_source_written_once_by_content_hash(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEDHOOKS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(codegen, "_loaded", {})
+    monkeypatch.setattr(kernel_cache, "_loaded", {})
     hook = fh.grad_hook(clip, stats=("norm",))
     fire(hook, torch.randn(100))
     files = sorted(tmp_path.glob("fh_*.py"))
