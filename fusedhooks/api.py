@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every firing
 
-from . import amp, codegen, config, dims, distributed, eager, gates, optable, runtime
+from . import amp, codegen, config, dims, distributed, eager, firing, gates, optable, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
@@ -63,6 +63,15 @@ optable.implement("fire", _fire_in_op)
 
 #: the shape a body is first lowered for, at decoration
 REPRESENTATIVE_SHAPE = (3, 3, 3, 3, 3, 3)
+
+
+def _weak_method(obj, name: str):
+    """`getattr(obj, name)` called through a weak reference to `obj` (handed to what `obj` holds: no cycle)."""
+    ref = weakref.ref(obj)
+
+    def call(*args):
+        return getattr(ref(), name)(*args)
+    return call
 
 
 def _identity(grad):
@@ -176,6 +185,9 @@ class GradHook:
         if self.stat_names:  # fh.clip_grad_norm_ may read them: a norm recorded before GradScaler.unscale_ must
             amp.install()    # not look current after it
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
+        #: the firing sequence (`firing.Firing`): one gradient, a bucket and a shard all run it
+        self.firing = firing.Firing(self.stats, self._body.scalars, self._body.check_scalars,
+                                    _weak_method(self, "amp_tensors"))
         self.registry = Registry(self.stats)
         self._buckets = Buckets(self, _fire_compiling)
         self._shards = distributed.ShardStats(self)
@@ -305,23 +317,24 @@ class GradHook:
         return self._firing(compiled)
 
     def _firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
-        """The firing of one gradient, written once (`process` and the lean firing call it): the closed-over tensors
-        checked, the backward numbered, the body applied and the statistics written into the entry's row (AMP's
-        unscaling and books too), the row marked as written and the gradient recorded for clip_grad_norm_:
-        `firing(entry, grad, param, backward_key)`."""
-        plan, module, scalars, stats = compiled.plan, compiled.kernel, self._body.scalars, self.stats
-        check_scalars = self._body.check_scalars
+        """The firing of one gradient (`process` and the lean firing call it): `firing.Firing.run` (the sequence,
+        written once) with the launch of one gradient, `runtime.fire` into this thread's workspace on the
+        gradient's device: `firing(entry, grad, param, backward_key)`."""
+        plan, module, scalars, run = compiled.plan, compiled.kernel, self._body.scalars, self.firing.run
+        workspaces: dict[int, runtime.Workspace] = {}  # this firing's device (by dtype and device) -> by thread
+        get_ident = threading.get_ident
 
         def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
-            if scalars:
-                check_scalars()
-            stats.begin_firing(backward_key)
-            buffer, stats_row = stats.writable_row(entry.row) if plan.slots else (None, None)
-            amp_tensors = self.amp_tensors(grad.device, backward_key, [entry.row], [grad]) if plan.amp else None
-            runtime.fire(plan, module, grad, param, scalars, stats_row, self._workspace_for(grad), amp_tensors)
-            if buffer is not None:
-                stats.settle(buffer, entry.row)
-            entry.record(grad)
+            workspace = workspaces.get(get_ident())
+            if workspace is None:
+                workspace = self._workspace_for(grad)
+                if len(workspaces) > 64:  # threads come and go: keep it small
+                    workspaces.clear()
+                workspaces[get_ident()] = workspace
+
+            def launch(grads: list, params: list, stats_row: torch.Tensor | None, amp: tuple | None) -> None:
+                runtime.fire(plan, module, grad, param, scalars, stats_row, workspace, amp)
+            run(plan, backward_key, [entry], [entry.row], [grad], [param], launch)
         return firing
 
     def check_distributed(self, entry: Entry, backward_key: int) -> None:
