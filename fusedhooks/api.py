@@ -22,6 +22,11 @@ from .registry import Entry, RegistrationHandle, Registry
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
 
+# read at every firing: bound once
+_graph_task_id, _grad_enabled, _set_grad_enabled = (torch._C._current_graph_task_id, torch.is_grad_enabled,
+                                                    torch._C._set_grad_enabled)
+_Tensor, _strided = torch.Tensor, torch.strided
+
 
 def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
     """What a hook does when called while torch.compile traces it (compiled autograd): one call of
@@ -216,10 +221,13 @@ class GradHook:
                 _fire_compiling(self, arg)
             elif self.is_paused:
                 pass
-            elif (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+            elif (_grad_enabled() and _graph_task_id() == -1
                   and not (arg.grad is not None and arg.grad.requires_grad)):
-                with torch.no_grad():  # a call by hand: as in a backward without create_graph, nothing is recorded
-                    self.fire(arg)
+                _set_grad_enabled(False)  # a call by hand: as in a backward without create_graph, nothing is recorded
+                try:
+                    self.fire(arg, None, -1)
+                finally:
+                    _set_grad_enabled(True)
             else:
                 self.fire(arg)
             return None
@@ -246,10 +254,14 @@ class GradHook:
                 return
         if entry is None:
             entry = self.registry.get(param) or self._add_at_firing(param)
-        backward_key = torch._C._current_graph_task_id() if backward_key is None else backward_key
-        lean_firing = self._lean_firings.get(self._lean_key(grad))
-        if (lean_firing is not None and type(grad) is torch.Tensor and grad.layout == torch.strided
-                and not grad.requires_grad and not torch.is_grad_enabled()
+        if backward_key is None:
+            backward_key = _graph_task_id()
+        key = (grad.dtype, grad.is_cuda, grad.get_device())  # `_lean_key(grad)`, written out: read at every firing
+        if self.reduces_over_dims:
+            key += (grad.shape,)
+        lean_firing = self._lean_firings.get(key)
+        if (lean_firing is not None and type(grad) is _Tensor and grad.layout == _strided
+                and not grad.requires_grad and not _grad_enabled()
                 and grad.numel() and entry.checked_shape == grad.shape
                 and (self._distributed_checked or backward_key == self._distributed_seen)):
             lean_firing(entry, grad, param, backward_key)  # what process() would do, with fewer lookups
@@ -321,19 +333,21 @@ class GradHook:
         written once) with the launch of one gradient, `runtime.fire` into this thread's workspace on the
         gradient's device: `firing(entry, grad, param, backward_key)`."""
         plan, module, scalars, run = compiled.plan, compiled.kernel, self._body.scalars, self.firing.run
-        workspaces: dict[int, runtime.Workspace] = {}  # this firing's device (by dtype and device) -> by thread
+        launches: dict[int, Callable] = {}  # thread -> the launch into its workspace (this dtype and device)
         get_ident = threading.get_ident
 
-        def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
-            workspace = workspaces.get(get_ident())
-            if workspace is None:
-                workspace = self._workspace_for(grad)
-                if len(workspaces) > 64:  # threads come and go: keep it small
-                    workspaces.clear()
-                workspaces[get_ident()] = workspace
+        def launch_for(grad: torch.Tensor) -> Callable:
+            workspace = self._workspace_for(grad)
 
             def launch(grads: list, params: list, stats_row: torch.Tensor | None, amp: tuple | None) -> None:
-                runtime.fire(plan, module, grad, param, scalars, stats_row, workspace, amp)
+                runtime.fire(plan, module, grads[0], params[0], scalars, stats_row, workspace, amp)
+            if len(launches) > 64:  # threads come and go: keep it small
+                launches.clear()
+            launches[get_ident()] = launch
+            return launch
+
+        def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
+            launch = launches.get(get_ident()) or launch_for(grad)
             run(plan, backward_key, [entry], [entry.row], [grad], [param], launch)
         return firing
 

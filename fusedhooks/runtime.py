@@ -328,9 +328,11 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
     if plan.graph.writes or plan.amp:  # (plan.writes of a non-empty gradient)
         if work is not span and work.data_ptr() != grad.data_ptr():
             grad.copy_(work.view(grad.shape))
-        else:
-            increment_version(grad)  # the kernel wrote through a raw pointer: tell autograd, as mul_ would
+        else:  # the kernel wrote through a raw pointer: tell autograd, as mul_ would (increment_version)
+            _increment_version((grad,))
 
+
+_increment_version = torch._C._increment_version
 
 #: the AMP tensors (scale, found_inf) of a firing without AMP
 _NO_AMP = (None, None)
