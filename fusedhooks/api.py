@@ -330,17 +330,14 @@ class GradHook:
 
     def _firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
         """The firing of one gradient (`process` and the lean firing call it): `firing.Firing.run` (the sequence,
-        written once) with the launch of one gradient, `runtime.fire` into this thread's workspace on the
+        written once) with the launch of one gradient (`runtime.single_launch`) into this thread's workspace on the
         gradient's device: `firing(entry, grad, param, backward_key)`."""
         plan, module, scalars, run = compiled.plan, compiled.kernel, self._body.scalars, self.firing.run
         launches: dict[int, Callable] = {}  # thread -> the launch into its workspace (this dtype and device)
         get_ident = threading.get_ident
 
         def launch_for(grad: torch.Tensor) -> Callable:
-            workspace = self._workspace_for(grad)
-
-            def launch(grads: list, params: list, stats_row: torch.Tensor | None, amp: tuple | None) -> None:
-                runtime.fire(plan, module, grads[0], params[0], scalars, stats_row, workspace, amp)
+            launch = runtime.single_launch(plan, module, scalars, self._workspace_for(grad))
             if len(launches) > 64:  # threads come and go: keep it small
                 launches.clear()
             launches[get_ident()] = launch

@@ -65,7 +65,7 @@ class Firing:
 
     def settle(self, buffer: torch.Tensor, rows: list[int]) -> None:
         """Rows `rows` of `buffer` were written by this firing (see HookStats.settle)."""
-        self.stats.settle(buffer, rows[0] if len(rows) == 1 else rows)
+        self.stats.settle(buffer, rows)
 
 
 class ShardFiring(Firing):

@@ -334,6 +334,39 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
 
 _increment_version = torch._C._increment_version
 
+
+def single_launch(plan: Plan, module, scalars: list[torch.Tensor], workspace: Workspace):
+    """`fire` of `plan` on one gradient at a time into `workspace`, as `launch(grads, params, stats_row, amp)` (see
+    `firing.Launch`; grads and params of one each): the common case (the triton backend, a contiguous non-empty
+    gradient, a body that does not read the parameter, kernels not over units, a launch bound before) with what does
+    not change between firings looked up once; every other case through `fire`."""
+    if plan.backend != "triton" or module is None or module.SPEC.one_pass or plan.graph.uses_param:
+        def launch_any(grads: list, params: list, stats_row: torch.Tensor | None, amp: tuple | None) -> None:
+            fire(plan, module, grads[0], params[0], scalars, stats_row, workspace, amp)
+        return launch_any
+    writes, bounds = plan.graph.writes or plan.amp, workspace.bound
+
+    def launch_one(grads: list, params: list, stats_row: torch.Tensor | None, amp: tuple | None) -> None:
+        grad = grads[0]
+        numel = grad.numel()
+        bound = None
+        if numel and grad.is_contiguous():
+            bound = bounds.get((module, numel, grad.data_ptr() % 16 == 0 and numel * grad.element_size() % 16 == 0,
+                                None))
+        if bound is None:  # not the common case, or not bound yet: `fire` binds it
+            fire(plan, module, grad, params[0], scalars, stats_row, workspace, amp)
+            return
+        values = (grad, None, stats_row) + (_NO_AMP if amp is None else amp)
+        args = bound.args.copy()
+        for index, position in bound.takes:
+            args[position] = values[index]
+        meta = bound.meta
+        for kernel, grid, fast in bound.launches:
+            launch(kernel, grid, *args, fast=fast, **meta)
+        if writes:  # the kernel wrote through a raw pointer: tell autograd, as mul_ would (increment_version)
+            _increment_version((grad,))
+    return launch_one
+
 #: the AMP tensors (scale, found_inf) of a firing without AMP
 _NO_AMP = (None, None)
 
