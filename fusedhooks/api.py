@@ -14,13 +14,18 @@ from dataclasses import dataclass
 import torch
 from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every firing
 
-from . import amp, codegen, config, dims, distributed, eager, gates, optable, runtime
+from . import amp, codegen, config, dims, distributed, eager, firing, gates, optable, runtime
 from .buckets import Buckets
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
 from .registry import Entry, RegistrationHandle, Registry
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
+
+# read at every firing: bound once
+_graph_task_id, _grad_enabled, _set_grad_enabled = (torch._C._current_graph_task_id, torch.is_grad_enabled,
+                                                    torch._C._set_grad_enabled)
+_Tensor, _strided = torch.Tensor, torch.strided
 
 
 def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
@@ -144,6 +149,15 @@ optable.implement("traced_plan", _traced_plan)
 REPRESENTATIVE_SHAPE = (3, 3, 3, 3, 3, 3)
 
 
+def _weak_method(obj, name: str):
+    """`getattr(obj, name)` called through a weak reference to `obj` (handed to what `obj` holds: no cycle)."""
+    ref = weakref.ref(obj)
+
+    def call(*args):
+        return getattr(ref(), name)(*args)
+    return call
+
+
 def _identity(grad):
     return None
 
@@ -251,6 +265,9 @@ class GradHook:
         if self.stat_names:  # fh.clip_grad_norm_ may read them: a norm recorded before GradScaler.unscale_ must
             amp.install()    # not look current after it
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
+        #: the firing sequence (`firing.Firing`): one gradient, a bucket and a shard all run it
+        self.firing = firing.Firing(self.stats, self._body.scalars, self._body.check_scalars,
+                                    _weak_method(self, "amp_tensors"))
         self.registry = Registry(self.stats)
         self._buckets = Buckets(self, _fire_compiling)
         self._shards = distributed.ShardStats(self)
@@ -282,10 +299,13 @@ class GradHook:
                 _fire_compiling(self, arg)
             elif self.is_paused:
                 pass
-            elif (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+            elif (_grad_enabled() and _graph_task_id() == -1
                   and not (arg.grad is not None and arg.grad.requires_grad)):
-                with torch.no_grad():  # a call by hand: as in a backward without create_graph, nothing is recorded
-                    self.fire(arg)
+                _set_grad_enabled(False)  # a call by hand: as in a backward without create_graph, nothing is recorded
+                try:
+                    self.fire(arg, None, -1)
+                finally:
+                    _set_grad_enabled(True)
             else:
                 self.fire(arg)
             return None
@@ -312,10 +332,14 @@ class GradHook:
                 return
         if entry is None:
             entry = self.registry.get(param) or self._add_at_firing(param)
-        backward_key = torch._C._current_graph_task_id() if backward_key is None else backward_key
-        lean_firing = self._lean_firings.get(self._lean_key(grad))
-        if (lean_firing is not None and type(grad) is torch.Tensor and grad.layout == torch.strided
-                and not grad.requires_grad and not torch.is_grad_enabled()
+        if backward_key is None:
+            backward_key = _graph_task_id()
+        key = (grad.dtype, grad.is_cuda, grad.get_device())  # `_lean_key(grad)`, written out: read at every firing
+        if self.reduces_over_dims:
+            key += (grad.shape,)
+        lean_firing = self._lean_firings.get(key)
+        if (lean_firing is not None and type(grad) is _Tensor and grad.layout == _strided
+                and not grad.requires_grad and not _grad_enabled()
                 and grad.numel() and entry.checked_shape == grad.shape
                 and (self._distributed_checked or backward_key == self._distributed_seen)):
             lean_firing(entry, grad, param, backward_key)  # what process() would do, with fewer lookups
@@ -383,23 +407,23 @@ class GradHook:
         return self._firing(compiled)
 
     def _firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
-        """The firing of one gradient, written once (`process` and the lean firing call it): the closed-over tensors
-        checked, the backward numbered, the body applied and the statistics written into the entry's row (AMP's
-        unscaling and books too), the row marked as written and the gradient recorded for clip_grad_norm_:
-        `firing(entry, grad, param, backward_key)`."""
-        plan, module, scalars, stats = compiled.plan, compiled.kernel, self._body.scalars, self.stats
-        check_scalars = self._body.check_scalars
+        """The firing of one gradient (`process` and the lean firing call it): `firing.Firing.run` (the sequence,
+        written once) with the launch of one gradient (`runtime.single_launch`) into this thread's workspace on the
+        gradient's device: `firing(entry, grad, param, backward_key)`."""
+        plan, module, scalars, run = compiled.plan, compiled.kernel, self._body.scalars, self.firing.run
+        launches: dict[int, Callable] = {}  # thread -> the launch into its workspace (this dtype and device)
+        get_ident = threading.get_ident
+
+        def launch_for(grad: torch.Tensor) -> Callable:
+            launch = runtime.single_launch(plan, module, scalars, self._workspace_for(grad))
+            if len(launches) > 64:  # threads come and go: keep it small
+                launches.clear()
+            launches[get_ident()] = launch
+            return launch
 
         def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
-            if scalars:
-                check_scalars()
-            stats.begin_firing(backward_key)
-            buffer, stats_row = stats.writable_row(entry.row) if plan.slots else (None, None)
-            amp_tensors = self.amp_tensors(grad.device, backward_key, [entry.row], [grad]) if plan.amp else None
-            runtime.fire(plan, module, grad, param, scalars, stats_row, self._workspace_for(grad), amp_tensors)
-            if buffer is not None:
-                stats.settle(buffer, entry.row)
-            entry.record(grad)
+            launch = launches.get(get_ident()) or launch_for(grad)
+            run(plan, backward_key, [entry], [entry.row], [grad], [param], launch)
         return firing
 
     def check_distributed(self, entry: Entry, backward_key: int) -> None:

@@ -19,7 +19,7 @@ from torch.compiler import is_compiling as _is_compiling
 
 from . import runtime
 from .layout import flat_span, is_dtensor
-from .registry import Entry, record_all
+from .registry import Entry
 
 if TYPE_CHECKING:
     from .api import GradHook
@@ -97,17 +97,15 @@ def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch
     reduces over dimensions (a plan per shape; their kernels index each gradient as contiguous)."""
     device, dtype = items[0][1].device, items[0][1].dtype
     plan = compiled.plan
-    hook.stats.begin_firing(backward_key)
-    if plan.backend != "triton":
+    if plan.backend != "triton":  # one by one, each a firing of its own
         for entry, grad, p in items:
             hook.process(entry, grad, p, backward_key)
         return
-    if hook.scalars:
-        hook.check_scalars()
     uses_param = plan.graph.uses_param
     is_cuda, index = device.type == "cuda", items[0][1].get_device()  # compared without building torch.devices
     entries, grads, params, numels = [], [], [], []
     units = [] if compiled.kernel.SPEC.one_pass else None  # (units, elements of each) of each gradient
+    alone = []
     for k, (entry, grad, p) in enumerate(items):
         if (grad.dtype == dtype and grad.get_device() == index and grad.is_cuda == is_cuda and not grad.requires_grad
                 and (numel := grad.numel()) and entry.checked_shape == grad.shape
@@ -120,16 +118,18 @@ def _process_bucket(hook: GradHook, items: list[tuple[Entry, torch.Tensor, torch
             if units is not None:
                 units.append(plans[k].units.unit_sizes)
         else:
-            hook.process(entry, grad, p, backward_key)
+            alone.append((entry, grad, p))
+    for entry, grad, p in alone:  # each a firing of its own
+        hook.process(entry, grad, p, backward_key)
     if entries:
+        workspace, scalars = hook.workspace(device), hook.scalars
+        units = None if units is None else tuple(units)
         rows = [entry.row for entry in entries]
-        amp = hook.amp_tensors(device, backward_key, rows, grads) if plan.amp else None
-        stats = hook.stats.tensor if plan.slots else None
-        runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, hook.scalars, stats, hook.workspace(device),
-                            amp, None if units is None else tuple(units), tuple(numels))
-        if stats is not None:
-            hook.stats.settle(stats, rows)
-        record_all(entries, grads)
+
+        def launch(grads: list, params: list, stats: torch.Tensor | None, amp: tuple | None) -> None:
+            runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, scalars, stats, workspace, amp, units,
+                                tuple(numels))
+        hook.firing.run(plan, backward_key, entries, rows, grads, params, launch, whole=True)
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ import torch
 
 from . import runtime
 from .buckets import process_together
+from .firing import ShardFiring
 from .ir import STAT_NAMES
 from .layout import flat_span, is_dtensor
 from .registry import Entry, RegistrationHandle
@@ -366,18 +367,14 @@ class ShardStats:
         group = shard_group(entry.name, param)
         local, local_param = grad._local_tensor, param._local_tensor
         compiled = hook.compiled(local.dtype, local.device, shard=True, shape=tuple(local.shape))
-        hook.stats.begin_firing(backward_key)
-        partial_row = None
-        if compiled.plan.slots:
-            partial_row = self._partial_row(entry.row, local.device)
-        if hook.scalars:
-            hook.check_scalars()
-        runtime.fire(compiled.plan, compiled.kernel, local, local_param, hook.scalars, partial_row,
-                     hook.workspace(local.device))
-        entry.record(local)
-        if partial_row is None:
+        plan, workspace, scalars = compiled.plan, hook.workspace(local.device), hook.scalars
+
+        def launch(grads: list, params: list, partial_row: torch.Tensor | None, amp: tuple | None) -> None:
+            runtime.fire(plan, compiled.kernel, local, local_param, scalars, partial_row, workspace)
+        firing = ShardFiring(hook.stats, scalars, hook.check_scalars, self._partial_row)
+        firing.run(plan, backward_key, [entry], [entry.row], [local], [local_param], launch)
+        if not plan.slots:
             return
-        hook.stats.mark_written([entry.row])  # by this backward: merged into when it ends
         if backward_key < 0:  # called by hand: every rank calls it, and it merges now
             self.merge({group: {entry.row}})
             return

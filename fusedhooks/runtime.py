@@ -214,6 +214,14 @@ class Bound:
     meta: dict
     slots: tuple[tuple[str, int], ...]
     fast: tuple
+    #: (index in _PER_FIRING, position) of each role of `slots`: where `fire` puts this firing's tensors
+    takes: tuple[tuple[int, int], ...] = ()
+    #: (kernel, grid, fast) of each launch, in order
+    launches: tuple = ()
+
+    def __post_init__(self):
+        self.takes = tuple((_PER_FIRING.index(role), position) for role, position in self.slots)
+        self.launches = tuple(zip(self.kernels, self.grids, self.fast))
 
 
 def bind(module, multi: bool, grid: int, workspace: Workspace, scalars: list[torch.Tensor], values: dict,
@@ -305,7 +313,8 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
     (count 0, sum 0, mean NaN, ...) are written by the reference backend.
     """
     numel = grad.numel()
-    if plan.backend == "eager" and numel:
+    backend = plan.backend
+    if backend == "eager" and numel:
         eager.run(plan, module, grad, param, scalars, stats_row, amp, workspace.scratch)
         return
     if module is None or numel == 0:
@@ -314,16 +323,22 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
     uses_param = plan.graph.uses_param
     # the kernels only take the pointer: a contiguous gradient goes as it is (no view to build)
     # (a kernel over units (fusedhooks.dims) indexes the gradient as contiguous: any other layout is copied)
-    span = grad if grad.is_contiguous() else None if plan.units is not None else flat_span(grad)
-    work = span
-    if span is None or (uses_param and param.stride() != grad.stride()):
-        work = grad.contiguous().view(-1)
-        pspan = param.contiguous().view(-1) if uses_param else None
+    if grad.is_contiguous() and not uses_param:  # the common case, in fewer calls
+        work = span = grad
+        pspan = None
+        hint = grad.data_ptr() % 16 == 0 and numel * grad.element_size() % 16 == 0
     else:
-        pspan = (param if param.is_contiguous() else flat_span(param)) if uses_param else None
-    hint = aligned(work, pspan)
-    units = plan.units.unit_sizes if module.SPEC.one_pass else None
-    if units is not None:
+        span = grad if grad.is_contiguous() else None if plan.units is not None else flat_span(grad)
+        work = span
+        if span is None or (uses_param and param.stride() != grad.stride()):
+            work = grad.contiguous().view(-1)
+            pspan = param.contiguous().view(-1) if uses_param else None
+        else:
+            pspan = (param if param.is_contiguous() else flat_span(param)) if uses_param else None
+        hint = aligned(work, pspan)
+    units = None
+    if module.SPEC.one_pass:
+        units = plan.units.unit_sizes
         hint = hint and units_aligned([units], grad.element_size())
     key = (module, numel, hint, units)
     bound = workspace.bound.get(key)
@@ -332,15 +347,58 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
             workspace.bound.clear()
         bound = workspace.bound[key] = bind_single(module, numel, hint, grad.device, grad.dtype, workspace,
                                                    scalars, units=units)
-    tensors = {"grad": work, "param": pspan, "stats": stats_row}
-    if amp is not None:
-        tensors["scale"], tensors["found_inf"] = amp
-    run_bound(bound, tensors)
-    if plan.writes:
+    # this firing's tensors, in _PER_FIRING order, put at their positions (a copy: the Bound's stays as bound)
+    values = (work, pspan, stats_row) + (_NO_AMP if amp is None else amp)
+    args = bound.args.copy()
+    for index, position in bound.takes:
+        args[position] = values[index]
+    meta = bound.meta
+    for kernel, grid, fast in bound.launches:
+        launch(kernel, grid, *args, fast=fast, **meta)
+    if plan.graph.writes or plan.amp:  # (plan.writes of a non-empty gradient)
         if work is not span and work.data_ptr() != grad.data_ptr():
             grad.copy_(work.view(grad.shape))
-        else:
-            increment_version(grad)  # the kernel wrote through a raw pointer: tell autograd, as mul_ would
+        else:  # the kernel wrote through a raw pointer: tell autograd, as mul_ would (increment_version)
+            _increment_version((grad,))
+
+
+_increment_version = torch._C._increment_version
+
+
+def single_launch(plan: Plan, module, scalars: list[torch.Tensor], workspace: Workspace):
+    """`fire` of `plan` on one gradient at a time into `workspace`, as `launch(grads, params, stats_row, amp)` (see
+    `firing.Launch`; grads and params of one each): the common case (the triton backend, a contiguous non-empty
+    gradient, a body that does not read the parameter, kernels not over units, a launch bound before) with what does
+    not change between firings looked up once; every other case through `fire`."""
+    if plan.backend != "triton" or module is None or module.SPEC.one_pass or plan.graph.uses_param:
+        def launch_any(grads: list, params: list, stats_row: torch.Tensor | None, amp: tuple | None) -> None:
+            fire(plan, module, grads[0], params[0], scalars, stats_row, workspace, amp)
+        return launch_any
+    writes, bounds = plan.graph.writes or plan.amp, workspace.bound
+
+    def launch_one(grads: list, params: list, stats_row: torch.Tensor | None, amp: tuple | None) -> None:
+        grad = grads[0]
+        numel = grad.numel()
+        bound = None
+        if numel and grad.is_contiguous():
+            bound = bounds.get((module, numel, grad.data_ptr() % 16 == 0 and numel * grad.element_size() % 16 == 0,
+                                None))
+        if bound is None:  # not the common case, or not bound yet: `fire` binds it
+            fire(plan, module, grad, params[0], scalars, stats_row, workspace, amp)
+            return
+        values = (grad, None, stats_row) + (_NO_AMP if amp is None else amp)
+        args = bound.args.copy()
+        for index, position in bound.takes:
+            args[position] = values[index]
+        meta = bound.meta
+        for kernel, grid, fast in bound.launches:
+            launch(kernel, grid, *args, fast=fast, **meta)
+        if writes:  # the kernel wrote through a raw pointer: tell autograd, as mul_ would (increment_version)
+            _increment_version((grad,))
+    return launch_one
+
+#: the AMP tensors (scale, found_inf) of a firing without AMP
+_NO_AMP = (None, None)
 
 
 def traced_launches(plan: Plan, module, grad: torch.Tensor) -> bool:
