@@ -35,6 +35,7 @@ import torch
 
 import fusedhooks as fh
 from fusedhooks import runtime
+from fusedhooks.testing import python_calls as python_calls_of
 
 SINGLE_NUMEL = 1 << 16
 BUCKET_PARAMS, BUCKET_NUMEL = 64, 1 << 10
@@ -162,26 +163,6 @@ TRACED_RATIO = 3.0
 TRACED_FLOOR_US = 2.0
 
 
-def _fusedhooks_calls(fn) -> int:
-    """Python function calls made in fusedhooks' own code while `fn()` runs (sys.setprofile)."""
-    import sys
-
-    root = os.path.dirname(fh.__file__)
-    calls = 0
-
-    def profile(frame, event, arg):
-        nonlocal calls
-        if event == "call" and frame.f_code.co_filename.startswith(root):
-            calls += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def backward_us(kind: str, quick: bool) -> tuple[float, float]:
     """(µs per parameter that a clamp hook of `kind` (a key of BACKWARD_KINDS) adds to the backward of LAYERS
     Linear(WIDTH, WIDTH) layers on CPU, fusedhooks' Python calls per parameter in one such backward once warm).
@@ -228,7 +209,7 @@ def backward_us(kind: str, quick: bool) -> tuple[float, float]:
         else:
             fh.grad_hook(_clamp, backend=how).register(hooked)
         base(), with_hooks()
-        python_calls = _fusedhooks_calls(with_hooks)
+        python_calls = python_calls_of(with_hooks)
         for _ in range(rounds):
             differences.append(_best_of(with_hooks, calls, 1) - _best_of(base, calls, 1))
     return 1e6 * statistics.median(differences) / (2 * LAYERS), python_calls / (2 * LAYERS)

@@ -52,39 +52,46 @@ def bump_versions(optimizer: torch.optim.Optimizer) -> None:
         increment_version(grads)
 
 
+def _wrap_method(cls: type, name: str, make) -> None:
+    """Replace `cls.<name>` (if `cls` itself defines it, and it is not wrapped yet) by `make(the method)`."""
+    method = cls.__dict__.get(name)
+    if method is None or getattr(method, _WRAPPED, False):
+        return
+    wrapped = functools.wraps(method)(make(method))
+    setattr(wrapped, _WRAPPED, True)
+    setattr(cls, name, wrapped)
+
+
+def _bumping_versions(unscale):
+    def _unscale_grads_(self, optimizer, *args, **kwargs):
+        try:
+            return unscale(self, optimizer, *args, **kwargs)
+        finally:
+            bump_versions(optimizer)
+    return _unscale_grads_
+
+
+def _refusing_after_traced_firings(unscale):
+    def unscale_(self, optimizer, *args, **kwargs):
+        if _traced_counts(self, optimizer, peek=True):
+            raise RuntimeError(UNSCALED_MESSAGE)
+        return unscale(self, optimizer, *args, **kwargs)
+    return unscale_
+
+
+def _committing_traced_firings(step):
+    def step_(self, optimizer, *args, **kwargs):
+        commit_traced(self, optimizer)
+        return step(self, optimizer, *args, **kwargs)
+    return step_
+
+
 def _wrap(cls: type) -> None:
     """Wrap `cls._unscale_grads_` (if `cls` defines it) so that it bumps the versions of what it unscaled, and
     `cls.unscale_` and `cls.step` so that they take what traced firings found first (`commit_traced`)."""
-    unscale = cls.__dict__.get("_unscale_grads_")
-    if unscale is not None and not getattr(unscale, _WRAPPED, False):
-        @functools.wraps(unscale)
-        def _unscale_grads_(self, optimizer, *args, **kwargs):
-            try:
-                return unscale(self, optimizer, *args, **kwargs)
-            finally:
-                bump_versions(optimizer)
-
-        setattr(_unscale_grads_, _WRAPPED, True)
-        cls._unscale_grads_ = _unscale_grads_
-    public_unscale = cls.__dict__.get("unscale_")
-    if public_unscale is not None and not getattr(public_unscale, _WRAPPED, False):
-        @functools.wraps(public_unscale)
-        def unscale_(self, optimizer, *args, **kwargs):
-            if _traced_counts(self, optimizer, peek=True):
-                raise RuntimeError(UNSCALED_MESSAGE)
-            return public_unscale(self, optimizer, *args, **kwargs)
-
-        setattr(unscale_, _WRAPPED, True)
-        cls.unscale_ = unscale_
-    step = cls.__dict__.get("step")
-    if step is not None and not getattr(step, _WRAPPED, False):
-        @functools.wraps(step)
-        def step_(self, optimizer, *args, **kwargs):
-            commit_traced(self, optimizer)
-            return step(self, optimizer, *args, **kwargs)
-
-        setattr(step_, _WRAPPED, True)
-        cls.step = step_
+    _wrap_method(cls, "_unscale_grads_", _bumping_versions)
+    _wrap_method(cls, "unscale_", _refusing_after_traced_firings)
+    _wrap_method(cls, "step", _committing_traced_firings)
 
 
 #: optimizer -> [(weak reference to its GradScaler, device, found_inf, backwards)]: what the traced firings of hooks

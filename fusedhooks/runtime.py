@@ -254,18 +254,20 @@ def bind(module, multi: bool, grid: int, workspace: Workspace, scalars: list[tor
                  tuple({} for _ in names))
 
 
-def bound_args(bound: Bound, tensors: dict) -> list:
-    """The arguments of `bound`'s kernels with this firing's tensors ({role: tensor} for the roles of bound.slots)."""
+def filled_args(bound: Bound, values: tuple) -> list:
+    """The arguments of `bound`'s kernels with this firing's tensors, `values` in _PER_FIRING order (grad, param,
+    stats, scale, found_inf; None where the kernels take none), put at their positions (in a copy: the Bound's
+    arguments stay as bound)."""
     args = bound.args.copy()
-    for role, position in bound.slots:
-        args[position] = tensors[role]
+    for index, position in bound.takes:
+        args[position] = values[index]
     return args
 
 
 def run_bound(bound: Bound, tensors: dict) -> None:
     """Launch `bound` with this firing's tensors ({role: tensor} for the roles of bound.slots)."""
-    args = bound_args(bound, tensors)
-    for kernel, grid, fast in zip(bound.kernels, bound.grids, bound.fast):
+    args = filled_args(bound, tuple(tensors.get(role) for role in _PER_FIRING))
+    for kernel, grid, fast in bound.launches:
         launch(kernel, grid, *args, fast=fast, **bound.meta)
 
 
@@ -347,11 +349,7 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
             workspace.bound.clear()
         bound = workspace.bound[key] = bind_single(module, numel, hint, grad.device, grad.dtype, workspace,
                                                    scalars, units=units)
-    # this firing's tensors, in _PER_FIRING order, put at their positions (a copy: the Bound's stays as bound)
-    values = (work, pspan, stats_row) + (_NO_AMP if amp is None else amp)
-    args = bound.args.copy()
-    for index, position in bound.takes:
-        args[position] = values[index]
+    args = filled_args(bound, (work, pspan, stats_row) + (_NO_AMP if amp is None else amp))
     meta = bound.meta
     for kernel, grid, fast in bound.launches:
         launch(kernel, grid, *args, fast=fast, **meta)
@@ -386,10 +384,7 @@ def single_launch(plan: Plan, module, scalars: list[torch.Tensor], workspace: Wo
         if bound is None:  # not the common case, or not bound yet: `fire` binds it
             fire(plan, module, grad, params[0], scalars, stats_row, workspace, amp)
             return
-        values = (grad, None, stats_row) + (_NO_AMP if amp is None else amp)
-        args = bound.args.copy()
-        for index, position in bound.takes:
-            args[position] = values[index]
+        args = filled_args(bound, (grad, None, stats_row) + (_NO_AMP if amp is None else amp))
         meta = bound.meta
         for kernel, grid, fast in bound.launches:
             launch(kernel, grid, *args, fast=fast, **meta)
@@ -408,10 +403,10 @@ def traced_launches(plan: Plan, module, grad: torch.Tensor) -> bool:
             and not config.triton_interpret() and grad.numel() != 0)
 
 
-def bind_traced(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: list[torch.Tensor],
-                stats_row: torch.Tensor | None) -> tuple[Bound, dict] | None:
-    """The launches of a traced firing of `module`'s kernels on `grad` (see `fire_traced`): (the Bound, this
-    firing's tensors by role), or None when they cannot be traced (then the plan runs as torch ops).
+def bind_traced(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: list[torch.Tensor]
+                ) -> tuple[Bound, tuple] | None:
+    """The launches of a traced firing of `module`'s kernels on `grad` (see `fire_traced`): (the Bound, (the gradient
+    and parameter the kernels take)), or None when they cannot be traced (then the plan runs as torch ops).
 
     The Bound is `bind_single`'s (one launch specification for both paths) with a FreshWorkspace; what `fire`
     decides from addresses is decided without them, tensors being fake or functional here: the ALIGNED hint is
@@ -427,7 +422,7 @@ def bind_traced(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, sca
                         units=units)
     if any(type(a) is int and a == 1 for a in bound.args):
         return None
-    return bound, {"grad": work, "param": pspan, "stats": stats_row}
+    return bound, (work, pspan)
 
 
 def fire_traced(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: list[torch.Tensor],
@@ -440,18 +435,15 @@ def fire_traced(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, sca
     (`torch.library.wrap_triton`) with their workspace allocated by the call (`bind_traced`); a gradient that is
     not contiguous is processed as a copy, copied back. Otherwise (CPU, the Triton interpreter, the eager and
     reference backends, an empty gradient) the plan as torch ops (`reference.run`: inductor fuses them)."""
-    launches = bind_traced(plan, module, grad, param, scalars, stats_row) if traced_launches(plan, module, grad) \
+    launches = bind_traced(plan, module, grad, param, scalars) if traced_launches(plan, module, grad) \
         else None
     if launches is None:
         reference.run(plan, grad, param, scalars, stats_row, amp)
         return
-    bound, tensors = launches
-    if amp is not None:
-        tensors["scale"], tensors["found_inf"] = amp
-    args = bound_args(bound, tensors)
+    bound, (work, pspan) = launches
+    args = filled_args(bound, (work, pspan, stats_row) + (_NO_AMP if amp is None else amp))
     for kernel, grid in zip(bound.kernels, bound.grids):
         launch_traced(kernel, grid, *args, **bound.meta)
-    work = tensors["grad"]
     if plan.writes and work is not grad:
         grad.copy_(work.view(grad.shape))
 

@@ -1,4 +1,5 @@
-"""A GPT-2-small-sized model in plain torch, synthetic data and a training step, for tests and benchmarks.
+"""A GPT-2-small-sized model in plain torch, synthetic data and a training step, for tests and benchmarks; and a
+count of the Python calls fusedhooks makes (`python_calls`).
 
 `GPT2Config()` is GPT-2 small (124M parameters: 12 layers, 12 heads, d_model 768, vocabulary 50257, context
 1024, tied input/output embeddings, LayerNorm, GELU MLP); `GPT2Config.tiny()` is a reduced version that trains
@@ -15,6 +16,8 @@ rule, so a model has something to learn.
 from __future__ import annotations
 
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -127,3 +130,21 @@ def train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     loss.backward()
     optimizer.step()
     return loss.detach()
+
+
+def python_calls(fn) -> int:
+    """The Python function calls made in fusedhooks' own code while `fn()` runs (counted with sys.setprofile)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls

@@ -6,7 +6,6 @@ real implementation is the eager firing; on CPU it runs the Triton kernels in th
 compares the graph breaks of a step with hooks with those of the same step without.
 """
 
-import os
 import subprocess
 import sys
 import weakref
@@ -17,6 +16,7 @@ from torch._dynamo import compiled_autograd
 from torch._dynamo.utils import counters
 
 import fusedhooks as fh
+from fusedhooks.testing import python_calls
 
 from helpers import REDUCTION_RTOL, assert_close_to, torch_fp32_norm_rtol
 
@@ -669,24 +669,6 @@ class SkippingModel(torch.nn.Module):
         return self.last(h)
 
 
-def fusedhooks_calls(fn) -> int:
-    """The Python calls into fusedhooks' own code while `fn()` runs."""
-    root = os.path.dirname(fh.__file__)
-    calls = 0
-
-    def profile(frame, event, arg):
-        nonlocal calls
-        if event == "call" and frame.f_code.co_filename.startswith(root):
-            calls += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def skipping_training(compile_backend, steps=12, eager_steps=()):
     """`steps` SGD steps of SkippingModel with a clip-scale-and-statistics hook, the middle layer skipped at every third
     step, inputs new at each; the backward under compiled autograd with `compile_backend` (None, and the steps in
@@ -707,7 +689,7 @@ def skipping_training(compile_backend, steps=12, eager_steps=()):
             loss.backward()
         else:
             with compiled_autograd._enable(torch.compile(backend=compile_backend)):
-                made = fusedhooks_calls(loss.backward)
+                made = python_calls(loss.backward)
             if i >= 3:
                 calls.append(made)
         if i == 2:
@@ -792,7 +774,7 @@ def amp_training(compiled, steps=12, inf_steps=(3, 8)):
         loss = scaler.scale(model(torch.randn(5, 8, generator=g)).square().mean() * factor)
         if compiled:
             with compiled_autograd._enable(torch.compile(backend="aot_eager")):
-                made = fusedhooks_calls(loss.backward)
+                made = python_calls(loss.backward)
             if i >= 2:
                 calls.append(made)
         else:
