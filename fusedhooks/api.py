@@ -45,7 +45,7 @@ def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
     if hook.records(grad, param):  # backward(create_graph=True): the body must run as ops autograd records
         ops.outside_graph(hook._fire_unless_paused, param)
         return
-    entry = hook.registry.get(param)
+    entry = hook.registry.get_live(param)
     if entry is not None and grad.layout == torch.strided:
         traced = _traced_firing(hook.op_key, grad.device)
         if traced is not None:

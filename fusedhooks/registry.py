@@ -87,6 +87,12 @@ class Registry:
         entry = self._entries.get(id(t))
         return entry if entry is not None and entry.ref() is t else None
 
+    def get_live(self, t: torch.Tensor) -> Entry | None:
+        """`get` for a tensor that is alive and registered or not: its entry found by its id alone (an entry goes
+        away as soon as its tensor is freed, so an id found is its tensor's). What dynamo traces (guards on the
+        id, not on calling a weak reference)."""
+        return self._entries.get(id(t))
+
     def names(self) -> set[str]:
         return {e.name for e in self}
 
