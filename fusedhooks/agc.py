@@ -35,6 +35,8 @@ def agc_body(rank: int, clip_factor: float, eps: float):
 class UnitwiseClip(GradHook):
     """`fh.agc(...)`: a GradHook whose body (`agc_body`) depends on the gradient's rank."""
 
+    body_per_shape = True  # lowered for each shape (the body differs by rank)
+
     def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, **options):
         for name, value in (("clip_factor", clip_factor), ("eps", eps)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
@@ -42,7 +44,6 @@ class UnitwiseClip(GradHook):
         self.clip_factor, self.eps = float(clip_factor), float(eps)
         self._bodies: dict[int, TracedBody] = {}
         super().__init__(agc_body(2, self.clip_factor, self.eps), **options)
-        self.reduces_over_dims = True  # lowered for each shape (the body differs by rank)
 
     def _body_for(self, shape: tuple | None) -> TracedBody:
         rank = len(shape) if shape is not None else 2

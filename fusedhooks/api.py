@@ -16,6 +16,7 @@ from torch.compiler import is_compiling as _is_compiling  # bound once: checked 
 
 from . import amp, codegen, config, dims, distributed, eager, firing, gates, optable, runtime
 from .buckets import Buckets
+from .compilation import Compiled, HookCompilation, Workspaces
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
 from .registry import Entry, RegistrationHandle, Registry
@@ -215,15 +216,6 @@ class BackwardPlan:
         return self.text
 
 
-@dataclass
-class Compiled:
-    """A hook's plan for one (dtype, device) and what runs it: the generated Triton kernels (a module), the eager
-    backend's body function (eager.compile_body), or None (the reference backend)."""
-
-    plan: Plan
-    kernel: object
-
-
 class GradHook:
     """A gradient hook compiled into one in-place kernel per gradient.
 
@@ -231,6 +223,10 @@ class GradHook:
     in place and returns None. Without a body function it is a statistics-only hook that also works
     as a decorator: called with a function it returns a new hook with the same options.
     """
+
+    #: the traced body depends on the gradient's shape (a subclass's `_body_for`, such as `fh.agc`'s, by rank): it
+    #: is lowered and planned for each gradient shape, as a body that reduces over dimensions is
+    body_per_shape = False
 
     def __init__(self, fn=None, *, stats=(), input_stats=(), backend: str | None = None,
                  scaler=None, optimizer=None, hist_range: tuple[int, int] | None = None):
@@ -259,9 +255,9 @@ class GradHook:
         # that hold for a 6-d gradient; its fit to each parameter's shape is checked at register), except Python
         # numbers the gradient's dtype cannot hold: checked at register (or plan), for each gradient's dtype
         graph, _ = lower(self._body, torch.float32, REPRESENTATIVE_SHAPE, dtype_known=False)
-        #: the body reduces over some dimensions: it is lowered and planned for each gradient shape
-        self.reduces_over_dims = graph.reduces_over_dims
-        self._dims_warned = False
+        #: the body reduces over some dimensions (or depends on the shape: `body_per_shape`): it is lowered and
+        #: planned for each gradient shape
+        self.reduces_over_dims = graph.reduces_over_dims or self.body_per_shape
         if self.stat_names:  # fh.clip_grad_norm_ may read them: a norm recorded before GradScaler.unscale_ must
             amp.install()    # not look current after it
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
@@ -273,20 +269,28 @@ class GradHook:
         self._shards = distributed.ShardStats(self)
         self._distributed_checked = False
         self._distributed_seen = -1  # the backward in which no process group was running, last checked
-        self._graphs: dict[torch.dtype, Graph] = {}
-        self._compiled: dict[tuple, Compiled] = {}
-        self._compiled_by_index: dict[tuple, Compiled] = {}  # (dtype, is_cuda, device index) -> the unsharded one
         #: `_lean_key(grad)` -> the `_lean_firing` of such gradients (eager and triton backends)
         self._lean_firings: dict[tuple, Callable] = {}
-        self._workspaces: dict[tuple, runtime.Workspace] = {}
         self._registering = threading.RLock()  # registrations, at register() and at first firings
-        self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
         #: what a traced call of a fusedhooks operator names this hook by (see ops.py, optable.py)
         self.op_key = optable.add(self)
         if fn is not None:
             functools.update_wrapper(self, fn, updated=())
         else:
             self.__name__ = "stats_only_hook"
+        #: the plans and kernels, compiled on first use for each dtype, device (and shape) and cached
+        self.compilation = HookCompilation(
+            _weak_method(self, "_body_for"), self._body.scalars, reduces_over_dims=self.reduces_over_dims,
+            stats=(self.stat_names, self.input_stat_names),
+            shard_stats=(distributed.partial_stats(self.stat_names), distributed.partial_stats(self.input_stat_names)),
+            hist_range=self.hist_range, backend=self.backend, amp=self._amp, name=self.__name__)
+        #: this hook's scratch on each device, per thread
+        self.workspaces = Workspaces()
+        # the per-firing lookups, bound (no call between): `compiled` by the gradient's dtype and device index, the
+        # reference plan autograd records, this thread's workspace on the gradient's device
+        self._compiled_for = self.compilation.compiled_for
+        self._compiled_for_autograd = self.compilation.compiled_for_autograd
+        self._workspace_for = self.workspaces.for_grad
         #: the GradScaler books of scaler= (None without it)
         self.amp = None if scaler is None else amp.HookAmp(scaler, optimizer, self.__name__, self.op_key,
                                                             self.registry)
@@ -464,138 +468,31 @@ class GradHook:
         books kept (see amp.HookAmp.tensors)."""
         return self.amp.tensors(device, backward_key, rows, grads)
 
-    # --- compiling --------------------------------------------------------------------------------
+    # --- compiling (the cache: compilation.HookCompilation, compilation.Workspaces) ------------------
 
     def graph(self, dtype: torch.dtype, shape: tuple | None = None) -> Graph:
         """The body lowered for gradients of `dtype` (and `shape`, for a body that reduces over dimensions)."""
-        if not self.reduces_over_dims:
-            shape = None
-        elif shape is None:
-            raise ValueError(f"{self.__name__} reduces over dimensions: its plan depends on the gradient's shape; "
-                             "pass shape=")
-        key = dtype if shape is None else (dtype, tuple(shape))
-        graph = self._graphs.get(key)
-        if graph is None:
-            body = self._body_for(shape)
-            graph, _ = lower(body, dtype) if shape is None else lower(body, dtype, tuple(shape))
-            self._graphs[key] = graph
-        return graph
+        return self.compilation.graph(dtype, shape)
 
     def _body_for(self, shape: tuple | None) -> TracedBody:
         """The traced body for gradients of `shape` (one body for every shape, except in subclasses whose body
-        depends on the gradient's rank, such as `fh.agc`)."""
+        depends on the gradient's rank, such as `fh.agc`): what the compilation cache lowers."""
         return self._body
 
     def compiled(self, dtype: torch.dtype, device: torch.device, shard: bool = False,
                  shape: tuple | None = None) -> Compiled:
-        """The plan and kernels for gradients of `dtype` on `device` (compiled on first use, then cached).
-
-        shard: for one rank's shard of an FSDP2 gradient: the statistics recorded are the partials the ranks'
-        rows are merged from (`distributed.partial_stats`), not the hook's own. shape: the gradient's, for a
+        """The plan and kernels for gradients of `dtype` on `device` (compiled on first use, then cached; see
+        `HookCompilation.compiled`): shard: for one rank's shard of an FSDP2 gradient; shape: the gradient's, for a
         body that reduces over dimensions (ignored otherwise)."""
-        key = (dtype, device, shard, tuple(shape) if self.reduces_over_dims and shape is not None else None)
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            return compiled
-        compiled = self._compile(dtype, device, shard, key[3])
-        self._compiled[key] = compiled
-        return compiled
-
-    def _compiled_for(self, grad: torch.Tensor) -> Compiled:
-        """`compiled` for a (plain, unsharded) gradient, found by its dtype and device index: the per-firing
-        lookup (building the gradient's torch.device is dearer than the rest of it)."""
-        key = (grad.dtype, grad.is_cuda, grad.get_device())
-        if self.reduces_over_dims:
-            key += (grad.shape,)
-        compiled = self._compiled_by_index.get(key)
-        if compiled is None:
-            compiled = self._compiled_by_index[key] = self.compiled(grad.dtype, grad.device, shape=grad.shape)
-        return compiled
-
-    def _compile(self, dtype: torch.dtype, device: torch.device, shard: bool, shape: tuple | None) -> Compiled:
-        for i, s in enumerate(self._body.scalars):
-            if s.device != device and not (device.type == "cpu" and s.device.type == "cpu"):
-                raise ValueError(f"{self.__name__}: closed-over tensor {i} is on {s.device} but the gradient is on "
-                                 f"{device}; move it to {device} (the kernel reads it there, with no copy)")
-        graph = self.graph(dtype, shape)
-        backend = self._backend_for(device, graph)
-        stats, input_stats = self.stat_names, self.input_stat_names
-        if shard:
-            stats, input_stats = distributed.partial_stats(stats), distributed.partial_stats(input_stats)
-        plan = make_plan(graph, stats, input_stats, backend=backend, amp=self._amp and not shard,
-                         hist_range=self.hist_range)
-        if backend == "triton":
-            return Compiled(plan, codegen.load(*codegen.generate_with_spec(plan, device.type)))
-        return Compiled(plan, eager.compile_body(plan.graph) if backend == "eager" else None)
-
-    def _backend_for(self, device: torch.device, graph: Graph, warn: bool = True) -> str:
-        """runtime.choose_backend, except for a body reducing over dimensions that the Triton kernels do not compile
-        (see dims.analyse): with backend "auto" it runs as eager torch ops (the reference backend; warned once),
-        "triton" is refused."""
-        backend = runtime.choose_backend(device, self.backend)
-        if backend != "triton" or not graph.reduces_over_dims:
-            return backend
-        try:
-            dims.analyse(graph)
-            return backend
-        except dims.Unsupported as e:
-            reason = str(e)
-        if (self.backend or config.backend()) == "triton":
-            raise CompileError(f"{self.__name__} has {reason}, which the Triton backend does not compile; use "
-                               "backend='reference' (eager torch ops, on any device) or, on CPU, backend='eager'")
-        if warn and not self._dims_warned:
-            self._dims_warned = True
-            warnings.warn(f"fusedhooks: {self.__name__} has {reason}, which is not compiled into Triton kernels: it "
-                          "runs as eager torch ops (backend='reference'), with the same results; pass "
-                          "backend='reference' to silence this warning", stacklevel=6)
-        return "reference"
-
-    def _compiled_for_autograd(self, dtype: torch.dtype, shape: tuple | None = None) -> Compiled:
-        """The reference plan: eager torch ops, recorded by autograd when `.grad` requires grad."""
-        key = (dtype, "autograd", tuple(shape) if self.reduces_over_dims else None)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            plan = make_plan(self.graph(dtype, shape), self.stat_names, self.input_stat_names, backend="reference",
-                             amp=self._amp, hist_range=self.hist_range)
-            compiled = self._compiled[key] = Compiled(plan, None)
-        return compiled
+        return self.compilation.compiled(dtype, device, shard, shape)
 
     def check_shape(self, name: str, t: torch.Tensor) -> None:
-        """Refuse a gradient `t` (of the tensor `name`) the body does not fit: a reduction over dimensions it lacks,
-        a result that does not broadcast to its shape (CompileError)."""
-        try:
-            _, result_shape = lower(self._body_for(t.shape), t.dtype, tuple(t.shape))
-        except CompileError as e:
-            if not self.reduces_over_dims:
-                raise
-            raise CompileError(f"{self.__name__} does not fit {name} (shape {tuple(t.shape)}): {e}") from None
-        try:
-            fits = torch.broadcast_shapes(result_shape, t.shape) == t.shape
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise CompileError(f"{self.__name__}: the body's result has shape {result_shape}, which does not "
-                               f"broadcast to the gradient of {name} (shape {tuple(t.shape)})")
-
-    def _workspace_for(self, grad: torch.Tensor) -> runtime.Workspace:
-        """`workspace(grad.device)`, found by the device index (the per-firing lookup)."""
-        key = (grad.is_cuda, grad.get_device(), threading.get_ident())
-        ws = self._workspaces_by_index.get(key)
-        if ws is None:
-            if len(self._workspaces_by_index) > 64:
-                self._workspaces_by_index.clear()
-            ws = self._workspaces_by_index[key] = self.workspace(grad.device)
-        return ws
+        """Refuse a gradient `t` (of the tensor `name`) the body does not fit (CompileError)."""
+        self.compilation.check_shape(name, t)
 
     def workspace(self, device: torch.device) -> runtime.Workspace:
         """This thread's scratch on `device` (concurrent backwards in other threads use their own)."""
-        key = (device, threading.get_ident())
-        ws = self._workspaces.get(key)
-        if ws is None:
-            if len(self._workspaces) > 64:  # threads come and go: keep the cache small
-                self._workspaces.clear()
-            ws = self._workspaces[key] = runtime.Workspace(device)
-        return ws
+        return self.workspaces.workspace(device)
 
     # --- registration -----------------------------------------------------------------------------
 
@@ -681,7 +578,7 @@ class GradHook:
             if distributed.is_dtensor(t):
                 self.check_sharded(pname, t)
             self.check_shape(pname, t)
-            self.compiled(t.dtype, t.device, shape=t.shape)
+            self.compilation.compiled(t.dtype, t.device, shape=t.shape)
             stats_device = self.stats.device or first_device
             if self.stats.slot_names and t.device != stats_device:
                 raise ValueError(f"{pname} is on {t.device} but this hook records statistics on "
@@ -861,7 +758,7 @@ class GradHook:
         if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
             raise ValueError(f"plan(): numel= takes a whole number of elements >= 0, not {numel!r}")
         graph = self.graph(dtype, shape)
-        backend = self._backend_for(device, graph, warn=False)
+        backend = self.compilation.backend_for(device, graph, warn=False)
         module = None
         if backend == "triton" and numel and config.tune_cache().exists():  # a tuned BLOCK applies
             module = self.compiled(dtype, device, shape=shape).kernel

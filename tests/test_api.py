@@ -400,7 +400,7 @@ def test_closed_over_scalar_is_read_at_every_firing_without_recompiling(backend)
     t.grad = None
     backward_with(t, g)
     assert torch.equal(t.grad, g * 3.0)
-    assert len(scaled._compiled) == 1
+    assert len(scaled.compilation.keys()) == 1
 
 
 @pytest.mark.parametrize("bucket_mb", [None, 25])

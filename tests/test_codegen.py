@@ -29,7 +29,7 @@ def test_compiled_once_per_dtype():
     hook = fh.grad_hook(clip)
     for dtype in (torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16):
         fire(hook, torch.randn(64).to(dtype))
-    assert sorted(str(k[0]) for k in hook._compiled) == ["torch.bfloat16", "torch.float32"]
+    assert sorted(str(k[0]) for k in hook.compilation.keys()) == ["torch.bfloat16", "torch.float32"]
 
 
 def test_literals_are_constants_and_tensors_are_arguments():

@@ -1,0 +1,190 @@
+"""A hook's compilation cache: its body lowered, planned and compiled for each gradient dtype, device (and shape, for a
+body that reduces over dimensions), kept for later firings (`HookCompilation`), and the per-thread scratch its
+kernels write on each device (`Workspaces`).
+
+Handed what it needs by the hook (`api.GradHook`): the traced body (through `body_for`), its options and statistic
+names; it knows nothing of the hook itself."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import codegen, config, dims, eager, runtime
+from .ir import Graph
+from .plan import Plan, make_plan
+from .trace import CompileError, TracedBody, lower
+
+
+@dataclass
+class Compiled:
+    """A hook's plan for one (dtype, device) and what runs it: the generated Triton kernels (a module), the eager
+    backend's body function (eager.compile_body), or None (the reference backend)."""
+
+    plan: Plan
+    kernel: object
+
+
+class HookCompilation:
+    """The plans and kernels of one hook's body, compiled on first use and then cached.
+
+    body_for: the traced body for gradients of a shape (`body_for(shape)`, shape None: any shape), scalars: the
+    0-dim tensors the body closes over; reduces_over_dims: the body is lowered and planned for each gradient shape;
+    stats / input_stats: the statistic names measured after / before the body, shard_stats: those a shard of an
+    FSDP2 gradient records instead (`distributed.partial_stats` of each); hist_range: the "hist" bins; backend:
+    the hook's backend option (None: config's); amp: the plans unscale (scaler=); name: the hook's, for messages."""
+
+    def __init__(self, body_for: Callable[[tuple | None], TracedBody], scalars: list[torch.Tensor], *,
+                 reduces_over_dims: bool, stats: tuple[tuple[str, ...], tuple[str, ...]],
+                 shard_stats: tuple[tuple[str, ...], tuple[str, ...]], hist_range: tuple[int, int],
+                 backend: str | None, amp: bool, name: str):
+        self.body_for, self.scalars = body_for, scalars
+        self.reduces_over_dims = reduces_over_dims
+        self.stats, self.shard_stats, self.hist_range = stats, shard_stats, hist_range
+        self.backend, self.amp, self.name = backend, amp, name
+        self._graphs: dict[object, Graph] = {}
+        self._compiled: dict[tuple, Compiled] = {}
+        self._compiled_by_index: dict[tuple, Compiled] = {}  # (dtype, is_cuda, device index) -> the unsharded one
+        self._dims_warned = False
+
+    def keys(self) -> list[tuple]:
+        """What is compiled so far: (dtype, device, shard, shape) of each, (dtype, "autograd", shape) of the
+        reference plans that autograd records."""
+        return list(self._compiled)
+
+    def graph(self, dtype: torch.dtype, shape: tuple | None = None) -> Graph:
+        """The body lowered for gradients of `dtype` (and `shape`, for a body that reduces over dimensions)."""
+        if not self.reduces_over_dims:
+            shape = None
+        elif shape is None:
+            raise ValueError(f"{self.name} reduces over dimensions: its plan depends on the gradient's shape; "
+                             "pass shape=")
+        key = dtype if shape is None else (dtype, tuple(shape))
+        graph = self._graphs.get(key)
+        if graph is None:
+            body = self.body_for(shape)
+            graph, _ = lower(body, dtype) if shape is None else lower(body, dtype, tuple(shape))
+            self._graphs[key] = graph
+        return graph
+
+    def compiled(self, dtype: torch.dtype, device: torch.device, shard: bool = False,
+                 shape: tuple | None = None) -> Compiled:
+        """The plan and kernels for gradients of `dtype` on `device` (compiled on first use, then cached).
+
+        shard: for one rank's shard of an FSDP2 gradient: the statistics recorded are the partials the ranks'
+        rows are merged from (`shard_stats`), not the hook's own. shape: the gradient's, for a body that reduces
+        over dimensions (ignored otherwise)."""
+        key = (dtype, device, shard, tuple(shape) if self.reduces_over_dims and shape is not None else None)
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled
+        compiled = self._compile(dtype, device, shard, key[3])
+        self._compiled[key] = compiled
+        return compiled
+
+    def compiled_for(self, grad: torch.Tensor) -> Compiled:
+        """`compiled` for a (plain, unsharded) gradient, found by its dtype and device index: the per-firing
+        lookup (building the gradient's torch.device is dearer than the rest of it)."""
+        key = (grad.dtype, grad.is_cuda, grad.get_device())
+        if self.reduces_over_dims:
+            key += (grad.shape,)
+        compiled = self._compiled_by_index.get(key)
+        if compiled is None:
+            compiled = self._compiled_by_index[key] = self.compiled(grad.dtype, grad.device, shape=grad.shape)
+        return compiled
+
+    def _compile(self, dtype: torch.dtype, device: torch.device, shard: bool, shape: tuple | None) -> Compiled:
+        for i, s in enumerate(self.scalars):
+            if s.device != device and not (device.type == "cpu" and s.device.type == "cpu"):
+                raise ValueError(f"{self.name}: closed-over tensor {i} is on {s.device} but the gradient is on "
+                                 f"{device}; move it to {device} (the kernel reads it there, with no copy)")
+        graph = self.graph(dtype, shape)
+        backend = self.backend_for(device, graph)
+        stats, input_stats = self.shard_stats if shard else self.stats
+        plan = make_plan(graph, stats, input_stats, backend=backend, amp=self.amp and not shard,
+                         hist_range=self.hist_range)
+        if backend == "triton":
+            return Compiled(plan, codegen.load(*codegen.generate_with_spec(plan, device.type)))
+        return Compiled(plan, eager.compile_body(plan.graph) if backend == "eager" else None)
+
+    def backend_for(self, device: torch.device, graph: Graph, warn: bool = True) -> str:
+        """runtime.choose_backend, except for a body reducing over dimensions that the Triton kernels do not compile
+        (see dims.analyse): with backend "auto" it runs as eager torch ops (the reference backend; warned once),
+        "triton" is refused."""
+        backend = runtime.choose_backend(device, self.backend)
+        if backend != "triton" or not graph.reduces_over_dims:
+            return backend
+        try:
+            dims.analyse(graph)
+            return backend
+        except dims.Unsupported as e:
+            reason = str(e)
+        if (self.backend or config.backend()) == "triton":
+            raise CompileError(f"{self.name} has {reason}, which the Triton backend does not compile; use "
+                               "backend='reference' (eager torch ops, on any device) or, on CPU, backend='eager'")
+        if warn and not self._dims_warned:
+            self._dims_warned = True
+            warnings.warn(f"fusedhooks: {self.name} has {reason}, which is not compiled into Triton kernels: it "
+                          "runs as eager torch ops (backend='reference'), with the same results; pass "
+                          "backend='reference' to silence this warning", stacklevel=6)
+        return "reference"
+
+    def compiled_for_autograd(self, dtype: torch.dtype, shape: tuple | None = None) -> Compiled:
+        """The reference plan: eager torch ops, recorded by autograd when `.grad` requires grad."""
+        key = (dtype, "autograd", tuple(shape) if self.reduces_over_dims else None)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            plan = make_plan(self.graph(dtype, shape), *self.stats, backend="reference", amp=self.amp,
+                             hist_range=self.hist_range)
+            compiled = self._compiled[key] = Compiled(plan, None)
+        return compiled
+
+    def check_shape(self, name: str, t: torch.Tensor) -> None:
+        """Refuse a gradient `t` (of the tensor `name`) the body does not fit: a reduction over dimensions it lacks,
+        a result that does not broadcast to its shape (CompileError)."""
+        try:
+            _, result_shape = lower(self.body_for(t.shape), t.dtype, tuple(t.shape))
+        except CompileError as e:
+            if not self.reduces_over_dims:
+                raise
+            raise CompileError(f"{self.name} does not fit {name} (shape {tuple(t.shape)}): {e}") from None
+        try:
+            fits = torch.broadcast_shapes(result_shape, t.shape) == t.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise CompileError(f"{self.name}: the body's result has shape {result_shape}, which does not "
+                               f"broadcast to the gradient of {name} (shape {tuple(t.shape)})")
+
+
+class Workspaces:
+    """The scratch a hook's kernels write, one per device and thread (concurrent backwards in other threads use
+    their own)."""
+
+    def __init__(self):
+        self._workspaces: dict[tuple, runtime.Workspace] = {}
+        self._workspaces_by_index: dict[tuple, runtime.Workspace] = {}  # (is_cuda, device index, thread) -> one
+
+    def for_grad(self, grad: torch.Tensor) -> runtime.Workspace:
+        """`workspace(grad.device)`, found by the device index (the per-firing lookup)."""
+        key = (grad.is_cuda, grad.get_device(), threading.get_ident())
+        ws = self._workspaces_by_index.get(key)
+        if ws is None:
+            if len(self._workspaces_by_index) > 64:
+                self._workspaces_by_index.clear()
+            ws = self._workspaces_by_index[key] = self.workspace(grad.device)
+        return ws
+
+    def workspace(self, device: torch.device) -> runtime.Workspace:
+        """This thread's scratch on `device`."""
+        key = (device, threading.get_ident())
+        ws = self._workspaces.get(key)
+        if ws is None:
+            if len(self._workspaces) > 64:  # threads come and go: keep the cache small
+                self._workspaces.clear()
+            ws = self._workspaces[key] = runtime.Workspace(device)
+        return ws
