@@ -301,7 +301,7 @@ class GradHook:
                 pass
             elif (_grad_enabled() and _graph_task_id() == -1
                   and ((grad := arg.grad) is None or not grad.requires_grad)):
-                self.fire(arg, None, -1, by_hand=True)  # as in a backward without create_graph: nothing recorded
+                self.fire(arg, None, -1, None, True)  # by hand: as in a backward without create_graph: nothing recorded
             else:
                 self.fire(arg)
             return None

@@ -71,7 +71,10 @@ class Entry:
 def record_all(entries: list[Entry], grads: list[torch.Tensor]) -> None:
     """`entry.record(grad)` for each pair (a bucket's), in one call."""
     for entry, grad in zip(entries, grads):
-        entry.measured = Measurement((weakref.ref(grad), grad._version, grad.data_ptr(), None))
+        entry.measured = Measurement((_ref(grad), grad._version, grad.data_ptr(), None))
+
+
+_ref = weakref.ref
 
 
 class Registry:

@@ -394,7 +394,7 @@ def single_launch(plan: Plan, module, scalars: list[torch.Tensor], workspace: Wo
         if bound is None:  # not the common case, or not bound yet: `fire` binds it
             fire(plan, module, grad, params[0], scalars, stats_row, workspace, amp)
             return
-        args = filled_args(bound, (grad, None, stats_row) + (_NO_AMP if amp is None else amp))
+        args = filled_args(bound, (grad, None, stats_row, None, None) if amp is None else (grad, None, stats_row, *amp))
         meta = bound.meta
         for kernel, grid, fast in bound.launches:
             launch(kernel, grid, args, meta, fast)
