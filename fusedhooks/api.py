@@ -304,12 +304,8 @@ class GradHook:
             elif self.is_paused:
                 pass
             elif (_grad_enabled() and _graph_task_id() == -1
-                  and not (arg.grad is not None and arg.grad.requires_grad)):
-                _set_grad_enabled(False)  # a call by hand: as in a backward without create_graph, nothing is recorded
-                try:
-                    self.fire(arg, None, -1)
-                finally:
-                    _set_grad_enabled(True)
+                  and ((grad := arg.grad) is None or not grad.requires_grad)):
+                self.fire(arg, None, -1, None, True)  # by hand: as in a backward without create_graph: nothing recorded
             else:
                 self.fire(arg)
             return None
@@ -320,7 +316,7 @@ class GradHook:
                         f"{type(arg).__name__}")
 
     def fire(self, param: torch.Tensor, entry: Entry | None = None, backward_key: int | None = None,
-             grad: torch.Tensor | None = None) -> None:
+             grad: torch.Tensor | None = None, by_hand: bool = False) -> None:
         """Process `param.grad` now, in place, and record its statistics (one firing).
 
         entry: its registration (looked up, or made for a tensor registered through torch directly);
@@ -329,7 +325,10 @@ class GradHook:
         records, as an eager hook's would, instead of a kernel writing behind autograd's back. A sharded
         (FSDP2, DTensor) gradient is processed on this rank's shard; its statistics, those of the whole
         parameter, are merged across ranks when the backward ends (see `distributed.ShardStats`). grad: the
-        gradient to process instead of `param.grad` (compiled autograd hands it over before setting .grad)."""
+        gradient to process instead of `param.grad` (compiled autograd hands it over before setting .grad).
+        by_hand: a call by hand with grad mode on, outside a backward, on a gradient that does not require grad:
+        processed as in a backward without create_graph, with grad mode off (nothing recorded; a firing that only
+        launches kernels, `runtime.launches_only`, records nothing anyway and leaves grad mode as it is)."""
         if grad is None:
             grad = param.grad
             if grad is None:
@@ -343,10 +342,17 @@ class GradHook:
             key += (grad.shape,)
         lean_firing = self._lean_firings.get(key)
         if (lean_firing is not None and type(grad) is _Tensor and grad.layout == _strided
-                and not grad.requires_grad and not _grad_enabled()
+                and not grad.requires_grad and (lean_firing.launches_only if by_hand else not _grad_enabled())
                 and grad.numel() and entry.checked_shape == grad.shape
                 and (self._distributed_checked or backward_key == self._distributed_seen)):
             lean_firing(entry, grad, param, backward_key)  # what process() would do, with fewer lookups
+            return
+        if by_hand:
+            _set_grad_enabled(False)
+            try:
+                self.fire(param, entry, backward_key, grad)
+            finally:
+                _set_grad_enabled(True)
             return
         if distributed.is_dtensor(grad):
             self._shards.fire(entry, param, grad, backward_key)
@@ -399,7 +405,8 @@ class GradHook:
         and device whose shape is checked, as `fire` calls it once the distributed check is done for this backward:
         `firing(entry, grad, param, backward_key)`, on the eager and triton backends. It does only what the plan
         needs: on the eager backend without statistics and AMP, the body alone (no backward numbering, row, or record
-        for clip_grad_norm_, which only reads hooks that record statistics)."""
+        for clip_grad_norm_, which only reads hooks that record statistics). Its `launches_only`: whether it only
+        launches kernels (`runtime.launches_only`), which record nothing with grad mode on."""
         plan, module, scalars = compiled.plan, compiled.kernel, self._body.scalars
         check_scalars = self._body.check_scalars
         if plan.backend == "eager" and not (plan.slots or plan.amp):
@@ -407,8 +414,11 @@ class GradHook:
                 if scalars:
                     check_scalars()
                 module(grad, param, scalars)
+            body_alone.launches_only = False
             return body_alone
-        return self._firing(compiled)
+        lean = self._firing(compiled)
+        lean.launches_only = runtime.launches_only(plan, module)
+        return lean
 
     def _firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
         """The firing of one gradient (`process` and the lean firing call it): `firing.Firing.run` (the sequence,

@@ -277,9 +277,9 @@ def _scale_by_total_norm(hook: GradHook, coefficient, norm_type: float, foreach:
     if exact_coef:
         for entry, grad, was_described in zip(entries, grads, described):
             if was_described:
-                entry.measured = Measurement(entry.measured.grad, grad._version, entry.measured.address,
-                                             clip_coef_clamped if entry.measured.coef is None
-                                             else entry.measured.coef * clip_coef_clamped)
+                entry.measured = Measurement.of(entry.measured.grad, grad._version, entry.measured.address,
+                                                clip_coef_clamped if entry.measured.coef is None
+                                                else entry.measured.coef * clip_coef_clamped)
     return total_norm
 
 

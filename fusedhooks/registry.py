@@ -6,28 +6,37 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 
 import torch
 
 from .stats import HookStats
 
 
-@dataclass(eq=False, slots=True)
-class Measurement:
+class Measurement(tuple):
     """The gradient a statistics row describes: that tensor object (not its address alone: a freed gradient's
     address is often reused by the next one) at that version and address (`p.grad.data = t` keeps the object and
     its version, not its storage). `coef`: a 0-dim device tensor the gradient
     was multiplied by afterwards without a version bump (clip_grad_norm_ with max_norm=inf multiplies by 1,
-    or by NaN when the total norm is not finite), so the recorded norm times `coef` is its norm now."""
+    or by NaN when the total norm is not finite), so the recorded norm times `coef` is its norm now.
 
-    grad: weakref.ref
-    version: int
-    address: int
-    coef: torch.Tensor | None = None
+    A tuple (grad, version, address, coef), made at every firing that records statistics: `Measurement((ref,
+    version, address, coef))` (or `of`) builds it in C, without a Python __init__."""
+
+    __slots__ = ()
+
+    grad: weakref.ref = property(itemgetter(0))  # type: ignore[assignment]
+    version: int = property(itemgetter(1))  # type: ignore[assignment]
+    address: int = property(itemgetter(2))  # type: ignore[assignment]
+    coef: torch.Tensor | None = property(itemgetter(3))  # type: ignore[assignment]
+
+    @classmethod
+    def of(cls, grad: weakref.ref, version: int, address: int, coef: torch.Tensor | None = None) -> Measurement:
+        return cls((grad, version, address, coef))
 
     def describes(self, grad: torch.Tensor, bumps: int = 0) -> bool:
         """Is `grad` the measured gradient, unchanged since (but for `bumps` version bumps known to write nothing)?"""
-        return self.grad() is grad and self.version + bumps == grad._version and self.address == grad.data_ptr()
+        return self[0]() is grad and self[1] + bumps == grad._version and self[2] == grad.data_ptr()
 
 
 @dataclass(eq=False)
@@ -51,7 +60,7 @@ class Entry:
 
     def record(self, grad: torch.Tensor) -> None:
         """The statistics row now describes `grad` as it is."""
-        self.measured = Measurement(weakref.ref(grad), grad._version, grad.data_ptr())
+        self.measured = Measurement((weakref.ref(grad), grad._version, grad.data_ptr(), None))
 
     def has_later_hooks(self, t: torch.Tensor) -> bool:
         """Does a post-accumulate hook registered after ours run on `t` (it must see the processed gradient)?"""
@@ -62,7 +71,10 @@ class Entry:
 def record_all(entries: list[Entry], grads: list[torch.Tensor]) -> None:
     """`entry.record(grad)` for each pair (a bucket's), in one call."""
     for entry, grad in zip(entries, grads):
-        entry.measured = Measurement(weakref.ref(grad), grad._version, grad.data_ptr())
+        entry.measured = Measurement((_ref(grad), grad._version, grad.data_ptr(), None))
+
+
+_ref = weakref.ref
 
 
 class Registry:

@@ -184,8 +184,10 @@ def units_aligned(units, element_size: int) -> bool:
     return all(elements * element_size % 16 == 0 for _, elements in units)
 
 
-def launch(kernel, grid: tuple, *args, fast: dict | None = None, **meta) -> None:
-    """Every kernel launch of fusedhooks goes through here (tests count launches by wrapping it).
+def launch(kernel, grid: tuple, args: list | tuple, meta: dict, fast: dict | None = None) -> None:
+    """`kernel[grid](*args, **meta)`: every kernel launch of fusedhooks goes through here (tests count launches by
+    wrapping it). The arguments and meta (constexprs, compile options) come as they are kept (a Bound's), not
+    repacked at each call.
 
     fast: a dict the caller keeps for this kernel, grid and meta (a Bound's): on a GPU the first launch leaves
     the compiled kernel in it and later ones launch that directly (see `fastlaunch`)."""
@@ -268,7 +270,7 @@ def run_bound(bound: Bound, tensors: dict) -> None:
     """Launch `bound` with this firing's tensors ({role: tensor} for the roles of bound.slots)."""
     args = filled_args(bound, tuple(tensors.get(role) for role in _PER_FIRING))
     for kernel, grid, fast in bound.launches:
-        launch(kernel, grid, *args, fast=fast, **bound.meta)
+        launch(kernel, grid, args, bound.meta, fast)
 
 
 def launch_traced(kernel, grid: tuple, *args, **meta) -> None:
@@ -352,7 +354,7 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
     args = filled_args(bound, (work, pspan, stats_row) + (_NO_AMP if amp is None else amp))
     meta = bound.meta
     for kernel, grid, fast in bound.launches:
-        launch(kernel, grid, *args, fast=fast, **meta)
+        launch(kernel, grid, args, meta, fast)
     if plan.graph.writes or plan.amp:  # (plan.writes of a non-empty gradient)
         if work is not span and work.data_ptr() != grad.data_ptr():
             grad.copy_(work.view(grad.shape))
@@ -363,12 +365,20 @@ def fire(plan: Plan, module, grad: torch.Tensor, param: torch.Tensor, scalars: l
 _increment_version = torch._C._increment_version
 
 
+def launches_only(plan: Plan, module) -> bool:
+    """Does a firing of `plan` on a non-empty gradient through `single_launch` only launch `module`'s kernels (the
+    triton backend, kernels not over units, a body that does not read the parameter)? Then it runs no torch op that
+    autograd could record (it reads closed-over tensors through pointers), grad mode on or off; a gradient that is
+    not contiguous is copied and copied back, neither requiring grad."""
+    return plan.backend == "triton" and module is not None and not module.SPEC.one_pass and not plan.graph.uses_param
+
+
 def single_launch(plan: Plan, module, scalars: list[torch.Tensor], workspace: Workspace):
     """`fire` of `plan` on one gradient at a time into `workspace`, as `launch(grads, params, stats_row, amp)` (see
     `firing.Launch`; grads and params of one each): the common case (the triton backend, a contiguous non-empty
     gradient, a body that does not read the parameter, kernels not over units, a launch bound before) with what does
     not change between firings looked up once; every other case through `fire`."""
-    if plan.backend != "triton" or module is None or module.SPEC.one_pass or plan.graph.uses_param:
+    if not launches_only(plan, module):
         def launch_any(grads: list, params: list, stats_row: torch.Tensor | None, amp: tuple | None) -> None:
             fire(plan, module, grads[0], params[0], scalars, stats_row, workspace, amp)
         return launch_any
@@ -384,10 +394,10 @@ def single_launch(plan: Plan, module, scalars: list[torch.Tensor], workspace: Wo
         if bound is None:  # not the common case, or not bound yet: `fire` binds it
             fire(plan, module, grad, params[0], scalars, stats_row, workspace, amp)
             return
-        args = filled_args(bound, (grad, None, stats_row) + (_NO_AMP if amp is None else amp))
+        args = filled_args(bound, (grad, None, stats_row, None, None) if amp is None else (grad, None, stats_row, *amp))
         meta = bound.meta
         for kernel, grid, fast in bound.launches:
-            launch(kernel, grid, *args, fast=fast, **meta)
+            launch(kernel, grid, args, meta, fast)
         if writes:  # the kernel wrote through a raw pointer: tell autograd, as mul_ would (increment_version)
             _increment_version((grad,))
     return launch_one

@@ -209,7 +209,7 @@ def scale_(table: ScaleTable, coef: torch.Tensor, round_coef: bool = False, laun
     coef: a 0-dim float tensor on the table's device, read by the kernel (a coefficient >= 1 leaves the
     tensors untouched: no write). round_coef: round a coefficient of another dtype to the tensors' dtype
     first (CUDA torch's `mul_`; see the module docstring). Launches nothing when no tensor has elements.
-    launch: launch(kernel, grid, *args, **meta) (fusedhooks passes runtime.launch); default kernel[grid](...).
+    launch: launch(kernel, grid, args, meta) (fusedhooks passes runtime.launch); default kernel[grid](...).
     """
     if coef.dim() != 0 or coef.device != table.device or not coef.dtype.is_floating_point:
         raise ValueError(f"coef must be a 0-dim float tensor on {table.device}; got shape {tuple(coef.shape)}, "
@@ -225,7 +225,7 @@ def scale_(table: ScaleTable, coef: torch.Tensor, round_coef: bool = False, laun
     if launch is None:
         scale_kernel[(table.n_programs,)](*args, **meta)
     else:
-        launch(scale_kernel, (table.n_programs,), *args, **meta)
+        launch(scale_kernel, (table.n_programs,), args, meta)
 
 
 def multi_tensor_scale_(tensors: list[torch.Tensor], coef: torch.Tensor, round_coef: bool = False) -> None:

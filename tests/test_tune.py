@@ -21,7 +21,8 @@ entry = next(iter(tuning.load()[tuning.device_key(torch.device("cpu"))].values()
 plan = hook.plan(numel=100_000, dtype=torch.float32, device="cpu")
 launches = []
 real = runtime.launch
-runtime.launch = lambda kernel, grid, *a, **k: (launches.append((grid, k["BLOCK"])), real(kernel, grid, *a, **k))
+runtime.launch = lambda kernel, grid, args, meta, *a: (launches.append((grid, meta["BLOCK"])),
+                                                     real(kernel, grid, args, meta, *a))
 p = torch.zeros(100_000, requires_grad=True)
 p.grad = torch.randn(100_000)
 hook(p)
