@@ -254,8 +254,7 @@ class HookAmp:
         books = self._backwards.get(backward_key) if backward_key >= 0 else None
         if books is None or books.state is not state:
             if state["stage"] is OptState.READY:
-                if scaler._scale is None:
-                    raise RuntimeError("the GradScaler has no scale yet: call scaler.scale(loss) before backward")
+                self.check_scale()
                 self.check_covers_optimizer()
             elif state["stage"] is OptState.STEPPED or not state.get("fusedhooks"):
                 raise RuntimeError(UNSCALED_MESSAGE)
@@ -289,6 +288,11 @@ class HookAmp:
                 found.zero_()
             self._holder[device] = None if books is None else weakref.ref(books)
             return found
+
+    def check_scale(self) -> None:
+        """Refuse to unscale before the GradScaler has a scale (scaler.scale(loss) makes it)."""
+        if self.scaler._scale is None:
+            raise RuntimeError("the GradScaler has no scale yet: call scaler.scale(loss) before backward")
 
     def check_covers_optimizer(self) -> None:
         """Refuse an optimizer stepping a parameter the hook is not registered on (it unscales for all of them)."""

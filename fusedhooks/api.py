@@ -36,8 +36,8 @@ def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
     In a backward that compiled autograd traces: one call of fusedhooks::firing (see ops.py), the firing as a
     function of tensors, with the parameter's row looked up now (the lookup is guarded: a new registration
     recompiles). Otherwise (a hook frame torch.compile compiles on its own, a parameter registered through torch
-    directly at its first firing, a hook with scaler=, a process group of several ranks) one call of
-    fusedhooks::fire, which runs the eager firing."""
+    directly at its first firing, a process group of several ranks) one call of fusedhooks::fire, which runs the
+    eager firing."""
     from . import ops
 
     grad = param.grad
@@ -137,9 +137,10 @@ def _traced_plan(hook_key: int, row: int, grad: torch.Tensor) -> tuple[Plan, obj
     hook.check_shape(hook.stats.names[row], grad)
     if hook.scalars:
         hook.check_scalars()
-    if hook.amp is not None:
-        hook.amp.check_covers_optimizer()
     compiled = hook._compiled_for(grad)
+    if compiled.plan.amp:
+        hook.amp.check_scale()
+        hook.amp.check_covers_optimizer()
     return compiled.plan, compiled.kernel
 
 

@@ -921,3 +921,16 @@ def test_traced_firing_records_every_statistic(dtype):
     expected, got = run(False), run(True)
     assert any(row["input.nan"] or row["input.inf"] for row in expected[1][1].values())
     assert_same(got, expected)
+
+
+def test_amp_traced_firing_before_the_scaler_has_a_scale_is_refused():
+    """As the eager firing refuses it: a hook with scaler= traced before scaler.scale(loss) made a scale."""
+    torch._dynamo.reset()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    fh.grad_hook(lambda g: g * 1.0, scaler=scaler, optimizer=opt).register(model)
+    loss = model(batches(1)[0]).square().mean()
+    with pytest.raises(RuntimeError, match="no scale yet: call scaler.scale"):
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            loss.backward()
