@@ -262,9 +262,6 @@ class GradHook:
         if self.stat_names:  # fh.clip_grad_norm_ may read them: a norm recorded before GradScaler.unscale_ must
             amp.install()    # not look current after it
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
-        #: the firing sequence (`firing.Firing`): one gradient, a bucket and a shard all run it
-        self.firing = firing.Firing(self.stats, self._body.scalars, self._body.check_scalars,
-                                    _weak_method(self, "amp_tensors"))
         self.registry = Registry(self.stats)
         self._buckets = Buckets(self, _fire_compiling)
         self._shards = distributed.ShardStats(self)
@@ -295,6 +292,10 @@ class GradHook:
         #: the GradScaler books of scaler= (None without it)
         self.amp = None if scaler is None else amp.HookAmp(scaler, optimizer, self.__name__, self.op_key,
                                                             self.registry)
+        #: the firing sequence (`firing.Firing`): one gradient, a bucket and a shard all run it; AMP's tensors and
+        #: books from `amp` (only a hook with a scaler has plans that unscale)
+        self.firing = firing.Firing(self.stats, self._body.scalars, self._body.check_scalars,
+                                    None if self.amp is None else self.amp.tensors)
 
     # --- calling ----------------------------------------------------------------------------------
 
@@ -472,12 +473,6 @@ class GradHook:
         """Refuse closed-over tensors the kernels cannot read as they are now (see TracedBody.check_scalars): before
         each launch, when `scalars` is not empty."""
         self._body.check_scalars()
-
-    def amp_tensors(self, device: torch.device, backward_key: int, rows: list[int],
-                    grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, found_inf) for a firing on the gradients `grads` of `rows` in the backward `backward_key`, its
-        books kept (see amp.HookAmp.tensors)."""
-        return self.amp.tensors(device, backward_key, rows, grads)
 
     # --- compiling (the cache: compilation.HookCompilation, compilation.Workspaces) ------------------
 

@@ -28,12 +28,12 @@ class Firing:
     """The firing sequence of one hook, handed what it needs from the hook (not the hook): its statistics `stats`
     (which number its backwards and hold its rows), the body's closed-over tensors `scalars` and their
     `check_scalars()`, and `amp_tensors(device, backward_key, rows, grads)` -> (scale, found_inf) (keeps the
-    scaler's books; called only by plans with AMP)."""
+    scaler's books; called only by plans with AMP; None for a hook without a scaler)."""
 
     __slots__ = ("stats", "scalars", "check_scalars", "amp_tensors")
 
     def __init__(self, stats: HookStats, scalars: list[torch.Tensor], check_scalars: Callable[[], None],
-                 amp_tensors: Callable):
+                 amp_tensors: Callable | None):
         self.stats = stats
         self.scalars = scalars
         self.check_scalars = check_scalars
