@@ -6,9 +6,9 @@ this backend
 - runs the body in place on the gradient wherever torch's in-place op gives the out-of-place op's values (same
   dtype and shape, the operand not read again): `grad.clamp(-1, 1) * s` is `grad.clamp_(-1, 1).mul_(s)`;
 - computes statistics in the gradient's precision (float32 for float16/bfloat16, whose values it holds exactly)
-  with torch's cascade-summed `sum` (sum, mean, sum of squares, and var/std in two passes, around the mean),
-  `aminmax` for min/max/absmax, `count_nonzero` for zeros; NaN/Inf are counted only when min or max is not
-  finite, and gradients whose magnitude would overflow or underflow float32 squares are summed in float64.
+  with torch's cascade-summed `sum` (sum, mean, sum of squares, and var/std as the corrected two-pass sum around
+  the mean), `aminmax` for min/max/absmax, `count_nonzero` for zeros; NaN/Inf are counted only when min or max is
+  not finite, and gradients whose magnitude would overflow or underflow float32 squares are summed in float64.
 Values: the body's bits are eager torch's; statistics agree with the float64 reference to float32 rounding
 (DESIGN's accuracy targets), min/max/absmax and counts exactly.
 """
@@ -192,7 +192,11 @@ def tensor_stats(x: torch.Tensor, names: tuple[str, ...], scratch) -> list[float
             else:
                 centred = scratch(n, values.dtype)
                 torch.sub(values, out["mean"], out=centred)
-                out["var"] = _sum_of_squares(centred, centred) / (n - 1)
+                # the corrected two-pass sum: less (sum of deviations)^2 / n, which takes out what the rounded mean
+                # adds (n * error^2: half the variance of values far from 0 with a small spread), never below 0
+                deviations = centred.sum().item()
+                m2 = _sum_of_squares(centred, centred) - deviations * deviations / n
+                out["var"] = (m2 if m2 >= 0 or m2 != m2 else 0.0) / (n - 1)
                 out["std"] = math.sqrt(out["var"]) if out["var"] >= 0 else math.nan
     if "zeros" in want:
         out["zeros"] = float(n - torch.count_nonzero(flat).item())
