@@ -28,44 +28,50 @@ class Firing:
     """The firing sequence of one hook, handed what it needs from the hook (not the hook): its statistics `stats`
     (which number its backwards and hold its rows), the body's closed-over tensors `scalars` and their
     `check_scalars()`, and `amp_tensors(device, backward_key, rows, grads)` -> (scale, found_inf) (keeps the
-    scaler's books; called only by plans with AMP; None for a hook without a scaler)."""
+    scaler's books; called only by plans with AMP; None for a hook without a scaler).
 
-    __slots__ = ("stats", "scalars", "check_scalars", "amp_tensors")
+    partial_row: None for a hook's own rows; for the shards of a sharded gradient (see ShardFiring) `partial_row(row,
+    device)` -> the partials row the launch writes instead."""
+
+    __slots__ = ("stats", "scalars", "check_scalars", "amp_tensors", "partial_row")
 
     def __init__(self, stats: HookStats, scalars: list[torch.Tensor], check_scalars: Callable[[], None],
-                 amp_tensors: Callable | None):
+                 amp_tensors: Callable | None, partial_row: Callable[[int, torch.device], torch.Tensor] | None = None):
         self.stats = stats
         self.scalars = scalars
         self.check_scalars = check_scalars
         self.amp_tensors = amp_tensors
+        self.partial_row = partial_row
 
     def run(self, plan, backward_key: int, entries: list[Entry], rows: list[int], grads: list[torch.Tensor],
             params: list[torch.Tensor], launch: Launch, whole: bool = False) -> None:
         """One firing of `plan` on `grads` (of `params`; `entries` and their statistics `rows`) in the backward
         `backward_key`, launched by `launch`. whole: the launch writes the statistics through the whole buffer
-        (a bucket's table) instead of one row view (one gradient)."""
+        (a bucket's table) instead of one row view (one gradient).
+
+        The launch writes the statistics into (buffer, written): (the buffer, row rows[0] of it), or (the buffer,
+        the buffer) when whole, or (the partials row, the partials row) on a shard; after it, the rows are marked
+        as written by this backward (`HookStats.settle`; on a shard `mark_written`: merged into when it ends)."""
         if self.scalars:
             self.check_scalars()
-        self.stats.begin_firing(backward_key)
+        stats, partial_row = self.stats, self.partial_row
+        stats.begin_firing(backward_key)
         buffer = written = None
         if plan.slots:
-            buffer, written = self.rows(rows, grads, whole)
+            if partial_row is not None:
+                buffer = written = partial_row(rows[0], grads[0].device)
+            elif whole:
+                buffer = written = stats.tensor
+            else:
+                buffer, written = stats.writable_row(rows[0])
         amp = self.amp_tensors(grads[0].device, backward_key, rows, grads) if plan.amp else None
         launch(grads, params, written, amp)
         if buffer is not None:
-            self.settle(buffer, rows)
+            if partial_row is None:
+                stats.settle(buffer, rows)
+            else:
+                stats.mark_written(rows)
         record_all(entries, grads)
-
-    def rows(self, rows: list[int], grads: list[torch.Tensor], whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the buffer, what the launch writes the statistics of `rows` into)."""
-        if whole:
-            buffer = self.stats.tensor
-            return buffer, buffer
-        return self.stats.writable_row(rows[0])
-
-    def settle(self, buffer: torch.Tensor, rows: list[int]) -> None:
-        """Rows `rows` of `buffer` were written by this firing (see HookStats.settle)."""
-        self.stats.settle(buffer, rows)
 
 
 class ShardFiring(Firing):
@@ -74,16 +80,8 @@ class ShardFiring(Firing):
     device)`), merged into the hook's rows when the backward ends; the hook's rows are marked as written by this
     backward."""
 
-    __slots__ = ("partial_row",)
+    __slots__ = ()
 
     def __init__(self, stats: HookStats, scalars: list[torch.Tensor], check_scalars: Callable[[], None],
                  partial_row: Callable[[int, torch.device], torch.Tensor]):
-        super().__init__(stats, scalars, check_scalars, None)  # no AMP on shards (refused at registration)
-        self.partial_row = partial_row
-
-    def rows(self, rows: list[int], grads: list[torch.Tensor], whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        row = self.partial_row(rows[0], grads[0].device)
-        return row, row
-
-    def settle(self, buffer: torch.Tensor, rows: list[int]) -> None:
-        self.stats.mark_written(rows)  # by this backward: merged into when it ends
+        super().__init__(stats, scalars, check_scalars, None, partial_row)  # no AMP on shards (refused at registration)

@@ -54,22 +54,23 @@ class Backwards:
     graph task -1) count as one backward, until a backward fires.
     """
 
-    __slots__ = ("number", "count_failed", "_key", "_members", "_lock")
+    __slots__ = ("number", "count_failed", "key", "_members", "_lock")
 
     def __init__(self, count_failed: bool = True):
         self.number = 0  # of the current backward; 0 before the first
         self.count_failed = count_failed
-        self._key: int | None = None  # the graph task of the last firing
+        #: the graph task of the last firing (read-only: `enter` returns at once for it)
+        self.key: int | None = None
         #: graph tasks of the current number -> (weak reference to its _Running, its `ended`), None outside a backward
         self._members: dict[int, tuple | None] = {}
         self._lock = threading.Lock()
 
     def enter(self, key: int) -> None:
         """A firing in graph task `key` (-1: outside a backward): `number` is then its backward's."""
-        if key == self._key:
+        if key == self.key:
             return
         with self._lock:
-            self._key = key
+            self.key = key
             if key in self._members:
                 return
             members = self._members.values()

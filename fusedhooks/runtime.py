@@ -382,15 +382,14 @@ def single_launch(plan: Plan, module, scalars: list[torch.Tensor], workspace: Wo
         def launch_any(grads: list, params: list, stats_row: torch.Tensor | None, amp: tuple | None) -> None:
             fire(plan, module, grads[0], params[0], scalars, stats_row, workspace, amp)
         return launch_any
-    writes, bounds = plan.graph.writes or plan.amp, workspace.bound
+    writes, bounds, itemsize = plan.graph.writes or plan.amp, workspace.bound, plan.graph.grad_dtype.itemsize
 
     def launch_one(grads: list, params: list, stats_row: torch.Tensor | None, amp: tuple | None) -> None:
-        grad = grads[0]
+        grad = grads[0]  # of the plan's dtype
         numel = grad.numel()
         bound = None
         if numel and grad.is_contiguous():
-            bound = bounds.get((module, numel, grad.data_ptr() % 16 == 0 and numel * grad.element_size() % 16 == 0,
-                                None))
+            bound = bounds.get((module, numel, grad.data_ptr() % 16 == 0 and numel * itemsize % 16 == 0, None))
         if bound is None:  # not the common case, or not bound yet: `fire` binds it
             fire(plan, module, grad, params[0], scalars, stats_row, workspace, amp)
             return

@@ -188,12 +188,15 @@ class HookStats:
 
     def begin_firing(self, backward_key: int) -> None:
         """A firing starts in the backward with autograd graph task id `backward_key`."""
-        if self._traced is None:
-            self._backwards.enter(backward_key)
+        backwards = self._backwards
+        if backward_key == backwards.key:  # another firing of the same backward (`enter` would return at once)
             return
-        number = self._backwards.number
-        self._backwards.enter(backward_key)
-        if self._backwards.number != number:
+        if self._traced is None:
+            backwards.enter(backward_key)
+            return
+        number = backwards.number
+        backwards.enter(backward_key)
+        if backwards.number != number:
             self._traced[1].add_(1)
 
     @property
@@ -232,11 +235,11 @@ class HookStats:
             row = views[index] = buffer[index]
         return buffer, row
 
-    def settle(self, buffer: torch.Tensor, rows: int | list[int]) -> None:
+    def settle(self, buffer: torch.Tensor, rows: list[int]) -> None:
         """Rows `rows` of `buffer` (from `writable_row` or `tensor`) were just written: mark them as written by the
         current backward, and if another thread's registration replaced the buffer meanwhile (add_row copies it as
         it is then), copy them into the new one."""
-        self.mark_written([rows] if isinstance(rows, int) else rows)
+        self.mark_written(rows)
         if self._growing or buffer is not self._state[0]:
             with self._lock:
                 current = self._state[0]
