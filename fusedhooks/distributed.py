@@ -198,8 +198,8 @@ def _pending_for(running: weakref.WeakValueDictionary, lock: threading.Lock, bac
 
 def _process_bucket(buckets: Buckets, process: Callable, fut: torch.futures.Future, items: list, backward_key: int
                     ) -> torch.Tensor:
-    """Process the averaged flat bucket `fut` holds: one launch per pass for its parameters (`buckets`' (the hook's)
-    `process_together`, `process` the firing of one of them, FiringCalls.process)."""
+    """Process the averaged flat bucket `fut` holds: one launch per pass for its parameters, by the hook's `buckets`
+    (`Buckets.process_together`; `process`: FiringCalls.process, for a gradient processed alone)."""
     flat = fut.wait()
     if isinstance(flat, list):
         flat = flat[0]
@@ -215,17 +215,17 @@ class _PendingBuckets:
     of the backward's first bucket: a remove() during the backward stops later buckets only."""
 
     def __init__(self, state: _DDPState, backward_key: int):
-        self.hook_buckets, self.calls = state.buckets, state.calls
+        self.owner, self.calls = state.buckets, state.calls  # the hook's Buckets, its firing calls
         self.backward_key = backward_key
         self.buckets: list[tuple[torch.futures.Future, list]] = []
 
     def run(self) -> None:
         entries = []
         for fut, items in self.buckets:  # waiting here: the all-reduce is done (CUDA: the stream waits for it)
-            _process_bucket(self.hook_buckets, self.calls.process, fut, items, self.backward_key)
+            _process_bucket(self.owner, self.calls.process, fut, items, self.backward_key)
             entries += [e for e, _, _ in items]
         # queued from a callback: runs after DDP's finalisation, when `.grad` holds the processed values
-        stats = self.hook_buckets.stats
+        stats = self.owner.stats
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _record_final(stats, entries))
 
 
