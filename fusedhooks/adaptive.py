@@ -9,7 +9,8 @@ import math
 import torch
 
 from . import gates, runtime
-from .api import GradHook, RegistrationHandle, check_param, named_tensors, run_outside_graph
+from .api import GradHook, RegistrationHandle
+from .registration import check_param, named_tensors, run_outside_graph
 from .stats import ParamStats, ScalarSelection, StatsReading
 
 

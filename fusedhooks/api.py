@@ -1,4 +1,5 @@
-"""The public API: `grad_hook`, the compiled hook object, registration and handles."""
+"""The public API: `grad_hook` and the compiled hook object, a facade over the rooms below (DESIGN.md, Architecture):
+its options, decoration, `register` (registration.py), `stats`, `plan`/`explain`, and the firing's entry points."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ import math
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every firing
 
-from . import amp, codegen, config, dims, distributed, eager, firing, gates, optable, runtime
-from .buckets import Buckets
+from . import amp, codegen, config, dims, distributed, eager, firing, optable, runtime
+from .buckets import Buckets, FiringCalls
 from .compilation import Compiled, HookCompilation, Workspaces
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
+from .registration import Registration, check_dtype
 from .registry import Entry, RegistrationHandle, Registry
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
@@ -71,14 +73,6 @@ def _fire_in_op(hook: GradHook, param: torch.Tensor, grad: torch.Tensor
         return None
     hook.fire(param, hook.registry.get(param), grad=grad)
     return hook.stats.buffer, hook.amp.found_inf if hook.amp is not None else {}
-
-
-def run_outside_graph(fn, *args) -> None:
-    """`fn(*args)` outside the graph torch.compile traces (`ops.outside_graph`, imported when first needed): how
-    the gates of `register(..., accumulation_steps=, when=)` run under compile (see `gates.gated`)."""
-    from . import ops
-
-    ops.outside_graph(fn, *args)
 
 
 optable.implement("fire", _fire_in_op)
@@ -196,16 +190,6 @@ def _parse_hist_range(hist_range) -> tuple[int, int]:
     return lo, hi
 
 
-def _parse_bucket_mb(bucket_mb) -> int:
-    """bucket_mb= of register(): None or 0 -> 0 (each gradient at its own firing), else bytes per bucket."""
-    if bucket_mb is None:
-        return 0
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 <= bucket_mb < math.inf:
-        raise ValueError(f"bucket_mb= takes a finite number of MB >= 0 (0 or None: each gradient is processed at "
-                         f"its own firing), not {bucket_mb!r}")
-    return max(int(bucket_mb * 2**20), 1) if bucket_mb > 0 else 0
-
-
 @dataclass
 class BackwardPlan:
     """What one backward costs for a hook's registered tensors (see GradHook.explain)."""
@@ -263,13 +247,10 @@ class GradHook:
             amp.install()    # not look current after it
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
         self.registry = Registry(self.stats)
-        self._buckets = Buckets(self, _fire_compiling)
-        self._shards = distributed.ShardStats(self)
         self._distributed_checked = False
         self._distributed_seen = -1  # the backward in which no process group was running, last checked
         #: `_lean_key(grad)` -> the `_lean_firing` of such gradients (eager and triton backends)
         self._lean_firings: dict[tuple, Callable] = {}
-        self._registering = threading.RLock()  # registrations, at register() and at first firings
         #: what a traced call of a fusedhooks operator names this hook by (see ops.py, optable.py)
         self.op_key = optable.add(self)
         if fn is not None:
@@ -296,6 +277,15 @@ class GradHook:
         #: books from `amp` (only a hook with a scaler has plans that unscale)
         self.firing = firing.Firing(self.stats, self._body.scalars, self._body.check_scalars,
                                     None if self.amp is None else self.amp.tensors)
+        # the rooms below, handed the parts they need (never the hook); the calls into the firing come with each
+        # registration (`firing_calls`)
+        #: end-of-backward buckets, and how a bucket of gradients (DDP's too) is processed together
+        self._buckets = Buckets(self.stats, self.firing, self.compilation, self.workspaces)
+        #: the checks, entries and torch hooks of `register` (see registration.py)
+        self.registration = Registration(self.registry, self.compilation, self._buckets)
+        #: the statistics of sharded (FSDP2) parameters, merged across ranks when a backward ends
+        self._shards = distributed.ShardStats(self.stats, self.compilation, self.workspaces, self._body.check_scalars,
+                                              self.registration.check_sharded)
 
     # --- calling ----------------------------------------------------------------------------------
 
@@ -533,119 +523,16 @@ class GradHook:
         each rank's shard is processed in place; statistics are those of the whole parameter. See
         docs/distributed.md.
         """
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"name= takes a non-empty string (a tensor's key in stats.read(), or a module's prefix), "
-                             f"not {name!r}")
-        when = gates.parse(accumulation_steps, when)
-        if distributed.is_ddp(target):
-            if when is not None:
-                raise ValueError("register(ddp_model) takes no accumulation_steps= or when=: run the micro-batches "
-                                 "that do not step under ddp_model.no_sync(); DDP then communicates, and the hook "
-                                 "runs, only in the synchronising backward, on the accumulated average")
-            return distributed.register_ddp(self, target, name, bucket_mb)
-        bucket_bytes = _parse_bucket_mb(bucket_mb) if not isinstance(target, torch.Tensor) else 0
-        handle = RegistrationHandle(self)
-        handle.when = when
-        with self._registering:  # against other threads' registrations, first firings included
-            pairs = list(self.named_targets(target, name))
-            if not pairs:
-                raise ValueError(f"register() found no tensor to register in {type(target).__name__} {target!r:.80}: "
-                                 "a module registers its parameters with requires_grad (none here: frozen, or none "
-                                 "at all), an iterable its tensors")
-            if isinstance(target, torch.nn.Module):
-                _check_dense_gradients(target, name)
-            self.check_targets(pairs)
-            if torch.__future__.get_swap_module_params_on_conversion():
-                warnings.warn(SWAP_CONVERSION_WARNING, stacklevel=2)
-            self.register_pairs(pairs, bucket_bytes, handle)
-        if isinstance(target, torch.nn.Module):
-            distributed.follow_parameters(self, target, name, bucket_bytes, handle)
-        return handle
+        return self.registration.register(target, name, bucket_mb, accumulation_steps, when, RegistrationHandle(self),
+                                          self.firing_calls())
 
-    def check_targets(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        """Everything register() refuses, checked before anything is registered."""
-        seen, names = set(), set()
-        active = self.registry.names()
-        first_device = next((t.device for _, t in pairs if isinstance(t, torch.Tensor)), None)
-        for pname, t in pairs:
-            if not isinstance(pname, str) or not pname:
-                raise ValueError(f"a tensor's name takes a non-empty string (its key in stats.read()), not {pname!r}")
-            check_param(pname, t)
-            entry = self.registry.get(t)
-            if entry is not None:
-                raise ValueError(f"{entry.name!r} is already registered with this hook (the same tensor)")
-            if id(t) in seen:
-                raise ValueError(f"{pname}: this tensor is already registered in this same register() call")
-            if pname in names or pname in active:
-                raise ValueError(f"a parameter named {pname!r} is already registered with this hook; "
-                                 "pass a different name=")
-            seen.add(id(t))
-            names.add(pname)
-            if distributed.is_dtensor(t):
-                self.check_sharded(pname, t)
-            self.check_shape(pname, t)
-            self.compilation.compiled(t.dtype, t.device, shape=t.shape)
-            stats_device = self.stats.device or first_device
-            if self.stats.slot_names and t.device != stats_device:
-                raise ValueError(f"{pname} is on {t.device} but this hook records statistics on "
-                                 f"{stats_device}; register parameters of another device with another hook")
-
-    def register_pairs(self, pairs: list[tuple[str, torch.Tensor]], bucket_bytes: int,
-                        handle: RegistrationHandle, ddp_ignored: bool = False, when=None) -> None:
-        """Register checked (name, tensor) pairs through torch's post-accumulate hooks, into `handle`; all or
-        nothing. ddp_ignored: parameters a DDP model registered with the hook ignores (see Entry); when: their
-        gate (default: the handle's)."""
-        when = handle.when if when is None else when
-        added, before = [], handle.tracked
-        try:
-            for pname, t in pairs:
-                entry = self.add_tensor(pname, t)
-                added.append(entry)
-                entry.checked_shape = t.shape  # checked above
-                entry.ddp_ignored = ddp_ignored
-                entry.bucket_bytes = bucket_bytes
-                fire = self._buckets.torch_hook(entry) if bucket_bytes else self._at_firing(entry)
-                if when is not None:
-                    fire = gates.gated(fire, when, run_outside_graph, lambda: self.is_paused)
-                torch_handle = t.register_post_accumulate_grad_hook(fire)
-                entry.torch_hook_id = torch_handle.id
-                handle.add(t, torch_handle, self.registry)
-        except BaseException:
-            handle.untrack(before, forget=False)
-            self.registry.discard(added)
-            raise
-
-    def check_sharded(self, name: str, t: torch.Tensor) -> None:
-        """What a hook cannot do on an FSDP2-sharded (DTensor) parameter, refused with what to do instead."""
-        distributed.shard_group(name, t)  # refuses placements other than one Shard(d) (+ Replicate)
-        graph = self.graph(t.dtype, t.shape)
-        if graph.reductions():
-            dim = distributed.shard_dim(t)
-            along = "" if dim is None else f" along dim {dim}"
-            per_shard = (f"{name} is sharded (FSDP2, DTensor){along}: each rank holds a part of its gradient, and the "
-                         "body")
-            advice = ("Sharded parameters take elementwise bodies, and reductions over dimensions other than the "
-                      "sharded one (each unit within a shard: `g.norm(dim=1, keepdim=True)`); their statistics "
-                      "(stats=) are those of the whole parameter, merged across ranks, and a global clip is "
-                      "fh.clip_grad_norm_(hook, max_norm)")
-            whole = [n for n in graph.reductions() if not dims.is_dim_reduction(n)]
-            if whole:
-                raise CompileError(f"{self.__name__}: {per_shard} reduces over the whole tensor (`{whole[0].op}`), "
-                                   f"which would be computed per shard. {advice}")
-            try:
-                units = dims.analyse(graph)
-            except dims.Unsupported as e:
-                raise CompileError(f"{self.__name__}: {per_shard} has {e}. {advice}") from None
-            for r in units.reductions:
-                if dim in dims.reduced_dims(r.node, tuple(t.shape)):
-                    raise CompileError(f"{self.__name__}: {per_shard} reduces over dim {dim} (`{r.node.op}`), whose "
-                                       f"units would be cut by the shards. {advice}")
-            if not all(units.is_own(units.of(node), m) for node, m in units.uses):
-                raise CompileError(f"{self.__name__}: {per_shard} broadcasts a value reduced over dimensions onto "
-                                   f"other units than its own, which may be on other ranks. {advice}")
-        if self._amp:
-            raise ValueError(f"{self.__name__}: scaler= is not supported on sharded (FSDP2) parameters ({name}): "
-                             "unscale with torch's GradScaler (scaler.unscale_(optimizer)) instead")
+    def firing_calls(self) -> FiringCalls:
+        """The calls a registration makes into this hook's firing (see `buckets.FiringCalls`): made for each
+        registration and held by what torch holds for it (the tensors' torch hooks, ...), never by the hook's parts,
+        so that a registration keeps the hook alive as torch keeps an eager hook, without a reference cycle."""
+        return FiringCalls(fire=self.fire, fire_compiling=functools.partial(_fire_compiling, self),
+                           process=self.process, check_distributed=self.check_distributed,
+                           is_paused=lambda: self.is_paused, at_firing=self._at_firing)
 
     def _at_firing(self, entry: Entry):
         """The torch hook of a tensor registered by register() (bucket_mb=0): `hook(param)` for its entry; while
@@ -729,27 +616,10 @@ class GradHook:
         if not self.is_paused:
             self.fire(param, self.registry.get(param))
 
-    def named_targets(self, target, name):
-        """(name, tensor) pairs of a register() target, unnamed tensors named "param<i>" (see named_tensors)."""
-        return named_tensors(target, name, self._auto_name)
-
-    def _auto_name(self, taken=()) -> str:
-        """"param<i>": i counts registrations, skipping names already in use."""
-        i = len(self.stats.names) + len(taken)
-        while f"param{i}" in self.stats.names or f"param{i}" in taken:
-            i += 1
-        return f"param{i}"
-
-    def add_tensor(self, name: str, t: torch.Tensor) -> Entry:
-        """Check `t` (check_param) and give it an entry and a statistics row under `name`; no torch hook."""
-        check_param(name, t)
-        return self.registry.add(name, t)
-
     def _add_at_firing(self, t: torch.Tensor) -> Entry:
         """Register `t`, registered through torch directly (`t.register_post_accumulate_grad_hook(hook)`), at its
-        first firing; threads firing on new tensors at once get one row each."""
-        with self._registering:
-            return self.registry.get(t) or self.add_tensor(self._auto_name(), t)
+        first firing (`Registration.add_at_firing`)."""
+        return self.registration.add_at_firing(t)
 
     # --- introspection ----------------------------------------------------------------------------
 
@@ -792,76 +662,6 @@ class GradHook:
     def __repr__(self) -> str:
         return (f"<fusedhooks.GradHook {self.__name__} stats={list(self.stat_names)} "
                 f"input_stats={list(self.input_stat_names)} on {len(self.registry)} tensors>")
-
-
-def named_tensors(target, name: str | None, auto_name):
-    """(name, tensor) pairs of a register() target: a Tensor (`name`, or auto_name(())), an nn.Module (its
-    parameters with requires_grad, `name` as a prefix) or an iterable of Tensors (auto_name(names so far))
-    and (name, Tensor) pairs. Not checked here (see check_param)."""
-    if isinstance(target, torch.nn.Module):  # FSDP2's sharded parameters, also while it holds unsharded ones
-        yield from distributed.current_parameters(target, name)
-    elif isinstance(target, torch.Tensor):
-        yield (name or auto_name(()), target)
-    elif isinstance(target, Iterable) and not isinstance(target, (str, bytes)):
-        taken = []
-        for item in target:
-            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-                yield item
-            elif isinstance(item, torch.Tensor):
-                taken.append(auto_name(taken))
-                yield (taken[-1], item)
-            else:
-                raise TypeError(f"register() takes Tensors or (name, Tensor) pairs; got {type(item).__name__}")
-    else:
-        raise TypeError(f"register() takes a Tensor, an nn.Module or an iterable of them, "
-                        f"not {type(target).__name__}")
-
-
-#: register()'s warning when torch.__future__.set_swap_module_params_on_conversion(True) is on
-SWAP_CONVERSION_WARNING = (
-    "torch.__future__.set_swap_module_params_on_conversion(True) is on: converting the module after this "
-    "register() (model.to(dtype or device), .half(), .cuda()) swaps its parameter tensors, which torch refuses "
-    "while fusedhooks holds them (RuntimeError: Couldn't swap ...), and a swapped parameter's post-accumulate-grad "
-    "hooks, fusedhooks' or anyone's, no longer fire, even registered again. Convert the model first, then register "
-    "the hook; or leave that flag off")
-
-
-def _check_dense_gradients(module: torch.nn.Module, prefix: str | None) -> None:
-    """Refuse a module with a submodule that gives its weight sparse gradients (nn.Embedding(sparse=True),
-    nn.EmbeddingBag(sparse=True))."""
-    for mname, m in module.named_modules(prefix=prefix or ""):
-        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
-            wname = f"{mname}.weight" if mname else "weight"
-            raise TypeError(f"{wname}: {type(m).__name__}(sparse=True) gives it sparse gradients, and gradient hooks "
-                            f"process dense gradients: use {type(m).__name__}(sparse=False), or register the hook "
-                            f"on the other parameters ([p for n, p in model.named_parameters() if n != {wname!r}])")
-
-
-GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def check_dtype(name: str, dtype) -> None:
-    """Refuse a gradient dtype the hooks cannot process."""
-    if dtype not in GRAD_DTYPES:
-        raise TypeError(f"{name}: dtype {dtype} is not supported; gradients must be float16, bfloat16, "
-                        "float32 or float64")
-
-
-def check_param(name: str, t) -> None:
-    """Refuse what torch would refuse, and what a hook cannot process, before any backward runs."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{name}: {t.layout} tensors are not supported; gradient hooks process dense gradients")
-    check_dtype(name, t.dtype)
-    if t.device.type == "meta":
-        raise ValueError(f"{name}: is a meta tensor (no data, so no gradient to process); register the hook "
-                         "after the module is materialized (module.to_empty(device=...) and loading its weights)")
-    if not t.requires_grad:
-        raise ValueError(f"{name}: cannot register a hook on a tensor that doesn't require grad")
-    if not t.is_leaf:
-        raise ValueError(f"{name}: is not a leaf tensor; gradient hooks fire on leaf tensors (parameters) "
-                         "after their .grad is accumulated")
 
 
 def grad_hook(fn=None, *, stats=(), input_stats=(), backend: str | None = None, scaler=None, optimizer=None,

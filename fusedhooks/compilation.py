@@ -130,7 +130,7 @@ class HookCompilation:
             self._dims_warned = True
             warnings.warn(f"fusedhooks: {self.name} has {reason}, which is not compiled into Triton kernels: it "
                           "runs as eager torch ops (backend='reference'), with the same results; pass "
-                          "backend='reference' to silence this warning", stacklevel=6)
+                          "backend='reference' to silence this warning", stacklevel=7)  # at register()'s caller
         return "reference"
 
     def compiled_for_autograd(self, dtype: torch.dtype, shape: tuple | None = None) -> Compiled:

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import runtime
-from .buckets import process_together
 from .firing import ShardFiring
 from .ir import STAT_NAMES
 from .layout import flat_span, is_dtensor
@@ -28,7 +27,11 @@ from .registry import Entry, RegistrationHandle
 from .stats import HookStats
 
 if TYPE_CHECKING:
-    from .api import GradHook
+    from collections.abc import Callable
+
+    from .buckets import Buckets, FiringCalls
+    from .compilation import HookCompilation, Workspaces
+    from .registration import Registration
 
 
 class LocalGradientWarning(UserWarning):
@@ -61,20 +64,28 @@ def is_ddp(target) -> bool:
 # --- DDP: the averaged bucket, in DDP's communication hook ---------------------------------------------------
 
 class _DDPState:
-    """What the communication hook of one `register(ddp_model)` needs (DDP keeps it as the hook's state)."""
+    """What the communication hook of one `register(ddp_model)` needs (DDP keeps it as the hook's state): the hook's
+    `buckets` (which process DDP's buckets together) and its firing `calls` (None once removed)."""
 
-    def __init__(self, hook: GradHook, process_group, entries: dict[int, Entry]):
-        self.hook = weakref.ref(hook)
+    def __init__(self, buckets: Buckets, calls: FiringCalls, process_group, entries: dict[int, Entry]):
+        self.buckets, self.calls = buckets, calls
         self.process_group = process_group
         self.entries = entries  # id(parameter) -> its entry
         self.active = True  # False after handle.remove(): DDP cannot unregister a comm hook; it just all-reduces
         self.running: weakref.WeakValueDictionary[int, _PendingBuckets] = weakref.WeakValueDictionary()
         self.lock = threading.Lock()
 
+    def deactivate(self) -> None:
+        """handle.remove(): from now on only all-reduce, and let the hook go (a backward running keeps its own)."""
+        self.active, self.calls = False, None
 
-def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> RegistrationHandle:
+
+def register_ddp(registration: Registration, calls: FiringCalls, ddp, name: str | None, bucket_mb,
+                 handle: RegistrationHandle) -> RegistrationHandle:
     """`hook.register(ddp_model)`: process the averaged gradients of `ddp_model.module`'s parameters (keyed by
-    their names there, `name` a prefix) inside DDP's communication hook."""
+    their names there, `name` a prefix) inside DDP's communication hook. registration: the hook's (its checks,
+    entries and buckets); calls: its firing calls, held by DDP's communication hook while registered; handle: the
+    new, empty handle the registration goes into (returned)."""
     if bucket_mb:
         raise ValueError("register(ddp_model) processes DDP's own buckets, one launch per pass each (their size is "
                          "DistributedDataParallel's bucket_cap_mb=); do not pass bucket_mb=")
@@ -82,8 +93,8 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
         raise ValueError("register(ddp_model) does not support DistributedDataParallel(static_graph=True) yet: on its "
                          "first iteration DDP reduces every bucket after backward, past the point where fusedhooks "
                          "processes them; use static_graph=False")
-    pairs = [(n, p) for n, p in hook.named_targets(ddp.module, name) if p.requires_grad]
-    hook.check_targets(pairs)
+    pairs = [(n, p) for n, p in registration.named_targets(ddp.module, name) if p.requires_grad]
+    registration.check_targets(pairs)
     ignored_names = set(getattr(ddp, "parameters_to_ignore", ()) or ())
     ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ignored_names}
     local = [(n, p) for n, p in pairs if id(p) in ignored]  # DDP neither averages them nor passes them to its hook
@@ -91,7 +102,7 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
     entries, added = {}, []
     try:
         for pname, p in pairs:
-            entry = hook.add_tensor(pname, p)
+            entry = registration.add_tensor(pname, p)
             added.append(entry)
             entry.checked_shape = p.shape
             entry.averaged = True
@@ -99,10 +110,11 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
         removed = next((s for h, s in getattr(ddp, "_comm_hooks", ()) if h is _comm_hook and not s.active), None)
         if removed is not None:  # an earlier register(ddp_model), removed: DDP keeps its hook, which we take over
             state = removed
-            state.hook, state.entries, state.running = weakref.ref(hook), entries, weakref.WeakValueDictionary()
+            state.buckets, state.calls = registration.buckets, calls
+            state.entries, state.running = entries, weakref.WeakValueDictionary()
             state.active = True
         else:
-            state = _DDPState(hook, ddp.process_group, entries)
+            state = _DDPState(registration.buckets, calls, ddp.process_group, entries)
             try:
                 ddp.register_comm_hook(state, _comm_hook)
             except RuntimeError as e:
@@ -110,12 +122,11 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
                                    "of its own, and DDP takes one per model: register the fusedhooks hook on a DDP "
                                    "model without a communication hook)") from e
     except BaseException:
-        hook.registry.discard(added)
+        registration.registry.discard(added)
         raise
-    handle = RegistrationHandle(hook)
     for _, p in pairs:
-        handle.add(p, _NoTorchHook(), hook.registry)
-    handle.on_remove(lambda: setattr(state, "active", False))
+        handle.add(p, _NoTorchHook(), registration.registry)
+    handle.on_remove(state.deactivate)
     if local:  # processed at their own firing: their gradient is each rank's own, which is all DDP gives them
         ddp_ref = weakref.ref(ddp)
 
@@ -124,7 +135,7 @@ def register_ddp(hook: GradHook, ddp, name: str | None, bucket_mb) -> Registrati
             return model is None or model.require_backward_grad_sync
 
         try:
-            hook.register_pairs(local, 0, handle, ddp_ignored=True, when=synchronising)
+            registration.register_pairs(local, 0, handle, calls, ddp_ignored=True, when=synchronising)
         except BaseException:
             handle.remove()
             raise
@@ -155,8 +166,7 @@ def _comm_hook(state, bucket):  # no annotations: DDP checks them, and `from __f
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     fut = allreduce_hook(state.process_group, bucket)
-    hook = state.hook()
-    if hook is None or not state.active or hook.is_paused:
+    if not state.active or state.calls.is_paused():
         return fut
     buffer = bucket.buffer()
     params = bucket.parameters()
@@ -167,7 +177,8 @@ def _comm_hook(state, bucket):  # no annotations: DDP checks them, and `from __f
         return fut
     backward_key = torch._C._current_graph_task_id()
     if backward_key < 0:  # not from a backward (DDP always calls it from one): processed when reduced
-        return fut.then(lambda f: _process_bucket(hook, f, items, backward_key))
+        buckets, process = state.buckets, state.calls.process
+        return fut.then(lambda f: _process_bucket(buckets, process, f, items, backward_key))
     pending = _pending_for(state.running, state.lock, backward_key, lambda: _PendingBuckets(state, backward_key))
     pending.buckets.append((fut, items))
     return fut
@@ -185,39 +196,40 @@ def _pending_for(running: weakref.WeakValueDictionary, lock: threading.Lock, bac
     return pending
 
 
-def _process_bucket(hook: GradHook, fut: torch.futures.Future, items: list, backward_key: int) -> torch.Tensor:
-    """Process the averaged flat bucket `fut` holds: one launch per pass for its parameters."""
+def _process_bucket(buckets: Buckets, process: Callable, fut: torch.futures.Future, items: list, backward_key: int
+                    ) -> torch.Tensor:
+    """Process the averaged flat bucket `fut` holds: one launch per pass for its parameters, by the hook's `buckets`
+    (`Buckets.process_together`; `process`: FiringCalls.process, for a gradient processed alone)."""
     flat = fut.wait()
     if isinstance(flat, list):
         flat = flat[0]
     views = _bucket_views(flat, [p for _, p, _ in items], [offset for _, _, offset in items])
-    process_together(hook, [(e, v, p) for (e, p, _), v in zip(items, views)], backward_key)
+    buckets.process_together([(e, v, p) for (e, p, _), v in zip(items, views)], backward_key, process)
     return flat
 
 
 class _PendingBuckets:
     """The buckets of one backward, processed when it ends, on the autograd thread, before DDP's finalisation
     copies them into `.grad` (DDP queues that callback after ours, and waits for the same futures). Held by
-    the callback only: a backward that raises leaves nothing behind."""
+    the callback only: a backward that raises leaves nothing behind. It keeps the hook's buckets and firing calls
+    of the backward's first bucket: a remove() during the backward stops later buckets only."""
 
     def __init__(self, state: _DDPState, backward_key: int):
-        self.state = state
+        self.owner, self.calls = state.buckets, state.calls  # the hook's Buckets, its firing calls
         self.backward_key = backward_key
         self.buckets: list[tuple[torch.futures.Future, list]] = []
 
     def run(self) -> None:
-        hook = self.state.hook()
-        if hook is None:
-            return
         entries = []
         for fut, items in self.buckets:  # waiting here: the all-reduce is done (CUDA: the stream waits for it)
-            _process_bucket(hook, fut, items, self.backward_key)
+            _process_bucket(self.owner, self.calls.process, fut, items, self.backward_key)
             entries += [e for e, _, _ in items]
         # queued from a callback: runs after DDP's finalisation, when `.grad` holds the processed values
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _record_final(hook, entries))
+        stats = self.owner.stats
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _record_final(stats, entries))
 
 
-def _record_final(hook: GradHook, entries: list[Entry]) -> None:
+def _record_final(stats: HookStats, entries: list[Entry]) -> None:
     """The statistics rows describe the final `.grad`s (DDP copied the buckets into them, or they are views).
     A parameter no rank used (find_unused_parameters=True) keeps no `.grad`: no eager hook would have fired on
     it, so its row (of the bucket's zeros) is cleared."""
@@ -226,7 +238,7 @@ def _record_final(hook: GradHook, entries: list[Entry]) -> None:
         if p is None:
             continue
         if p.grad is None:
-            hook.stats.clear_row(entry.row)
+            stats.clear_row(entry.row)
             entry.measured = None
         else:
             entry.record(p.grad)
@@ -341,37 +353,43 @@ class ShardStats:
     """A hook's statistics of sharded (FSDP2) parameters: each firing records its shard's partials in
     `partials` (a HookStats of `partial_stats` slots, rows as the hook's); when the backward ends, one
     all-gather per process group (one in all for FSDP2) brings every rank's partials, and each rank merges them
-    the same way into the hook's statistics rows."""
+    the same way into the hook's statistics rows.
 
-    def __init__(self, hook: GradHook):
-        self._hook = weakref.ref(hook)
-        self.partials = HookStats(partial_stats(hook.stat_names), partial_stats(hook.input_stat_names),
-                                  hook.hist_range)
+    Handed the hook's parts, never the hook: `stats` (its statistics rows), `compilation` (its plans and kernels for
+    shards, `compilation.shard_stats` the partials they record; the body's scalars), `workspaces` (its per-thread
+    scratch), `check_scalars()` (refuses closed-over tensors the kernels cannot read) and `check_sharded(name, t)`
+    (what a hook cannot do on a sharded parameter, `registration.Registration.check_sharded`)."""
+
+    def __init__(self, stats: HookStats, compilation: HookCompilation, workspaces: Workspaces,
+                 check_scalars: Callable[[], None], check_sharded: Callable[[str, torch.Tensor], None]):
+        self.stats, self.compilation, self.workspaces = stats, compilation, workspaces
+        self.check_scalars, self.check_sharded = check_scalars, check_sharded
+        self.partials = HookStats(*compilation.shard_stats, compilation.hist_range)
         self._running: weakref.WeakValueDictionary[int, _PendingMerge] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self._index: dict[tuple, torch.Tensor] = {}
 
     def _partial_row(self, row: int, device: torch.device) -> torch.Tensor:
-        names = self._hook().stats.names
+        names = self.stats.names
         while len(self.partials.names) <= row:
             self.partials.add_row(names[len(self.partials.names)], device)
         return self.partials.row(row)
 
     def fire(self, entry: Entry, param: torch.Tensor, grad: torch.Tensor, backward_key: int) -> None:
         """Process this rank's shard of `grad` (a DTensor) in place; record its partials for the merge."""
-        hook = self._hook()
+        compilation = self.compilation
         if entry.checked_shape != grad.shape:
-            hook.check_sharded(entry.name, param)
-            hook.check_shape(entry.name, grad)
+            self.check_sharded(entry.name, param)
+            compilation.check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
         group = shard_group(entry.name, param)
         local, local_param = grad._local_tensor, param._local_tensor
-        compiled = hook.compiled(local.dtype, local.device, shard=True, shape=tuple(local.shape))
-        plan, workspace, scalars = compiled.plan, hook.workspace(local.device), hook.scalars
+        compiled = compilation.compiled(local.dtype, local.device, shard=True, shape=tuple(local.shape))
+        plan, workspace, scalars = compiled.plan, self.workspaces.workspace(local.device), compilation.scalars
 
         def launch(grads: list, params: list, partial_row: torch.Tensor | None, amp: tuple | None) -> None:
             runtime.fire(plan, compiled.kernel, local, local_param, scalars, partial_row, workspace)
-        firing = ShardFiring(hook.stats, scalars, hook.check_scalars, self._partial_row)
+        firing = ShardFiring(self.stats, scalars, self.check_scalars, self._partial_row)
         firing.run(plan, backward_key, [entry], [entry.row], [local], [local_param], launch)
         if not plan.slots:
             return
@@ -383,8 +401,7 @@ class ShardStats:
 
     def merge(self, rows_by_group: dict[object, set[int]]) -> None:
         """One all-gather of the partial rows per process group; every rank merges them into the same values."""
-        hook = self._hook()
-        stats = hook.stats
+        stats = self.stats
         for group, rows in rows_by_group.items():
             rows = sorted(rows)
             device = stats.tensor.device
@@ -460,9 +477,10 @@ class _FollowParameters:
     """The forward pre-hook of `follow_parameters`. A copy of its module (copy.deepcopy, pickle, torch.save) gets
     `_NotFollowing` instead: torch does not copy the parameters' hooks either, so the copy is not registered."""
 
-    def __init__(self, hook: GradHook, prefix: str | None, bucket_bytes: int, handle: RegistrationHandle,
-                 fingerprint):
-        self.hook, self.prefix, self.bucket_bytes, self.handle = hook, prefix, bucket_bytes, handle
+    def __init__(self, registration: Registration, calls: FiringCalls, prefix: str | None, bucket_bytes: int,
+                 handle: RegistrationHandle, fingerprint):
+        self.registration, self.calls = registration, calls
+        self.prefix, self.bucket_bytes, self.handle = prefix, bucket_bytes, handle
         self.seen = fingerprint
 
     def __call__(self, mod: torch.nn.Module, args) -> None:
@@ -472,18 +490,18 @@ class _FollowParameters:
         if fingerprint == self.seen:
             if self._replaced_around(mod):
                 raise RuntimeError(
-                    f"{self.hook.__name__} was registered on this {type(mod).__name__}'s parameters, which have been "
-                    "replaced since (by fully_shard applied to a module around it, or by assignment): the hook would "
-                    "never fire. Register the hook after fully_shard (or on the module given to fully_shard, whose "
-                    "registration follows it)")
+                    f"{self.registration.hook_name} was registered on this {type(mod).__name__}'s parameters, which "
+                    "have been replaced since (by fully_shard applied to a module around it, or by assignment): the "
+                    "hook would never fire. Register the hook after fully_shard (or on the module given to "
+                    "fully_shard, whose registration follows it)")
             return
-        hook, handle = self.hook, self.handle
+        registration, handle = self.registration, self.handle
         pairs = current_parameters(mod, self.prefix)
         now = {id(t) for t in handle.tensors}
         if {id(t) for _, t in pairs} != now:
             handle.untrack()
-            hook.check_targets(pairs)
-            hook.register_pairs(pairs, self.bucket_bytes, handle)
+            registration.check_targets(pairs)
+            registration.register_pairs(pairs, self.bucket_bytes, handle, self.calls)
         self.seen = fingerprint  # only once followed: a refusal is raised again at every forward, never silent
 
     def _replaced_around(self, mod: torch.nn.Module) -> bool:
@@ -508,11 +526,12 @@ class _NotFollowing:
         return None
 
 
-def follow_parameters(hook: GradHook, module: torch.nn.Module, prefix: str | None, bucket_bytes: int,
-                      handle: RegistrationHandle) -> None:
+def follow_parameters(registration: Registration, calls: FiringCalls, module: torch.nn.Module, prefix: str | None,
+                      bucket_bytes: int, handle: RegistrationHandle) -> None:
     """Keep a module registration on the module's current parameters: at each forward in a process group,
     when a module of it has been `fully_shard`ed since (its class changed), the hook moves to the sharded
-    parameters (same names, rows cleared)."""
-    check = _FollowParameters(hook, prefix, bucket_bytes, handle, _fingerprint(module))
+    parameters (same names, rows cleared), registered again by `registration` with the firing `calls` (which the
+    module's forward pre-hook holds, as the tensors' torch hooks do)."""
+    check = _FollowParameters(registration, calls, prefix, bucket_bytes, handle, _fingerprint(module))
     pre = module.register_forward_pre_hook(check)
     handle.on_remove(pre.remove)

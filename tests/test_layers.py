@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import weakref
 
 import pytest
 
@@ -182,3 +183,143 @@ def test_no_private_reads_of_other_modules(name):
     bad = _private_reads(MODULES[name])
     assert not bad, ("reads of private names defined in another module (give them a public name with a docstring, "
                      "or hand the value down):\n" + "\n".join(bad))
+
+
+# --- the facade: the rooms below api.py are handed the parts they need, never the hook --------------------------
+
+#: The modules above the hook object (api.py, the facade), and fusedhooks.integrations: they take a GradHook (clip
+#: functions, hook subclasses, integrations, the CLI) or re-export it. Every other module is a room below it.
+ABOVE_THE_FACADE = {"fusedhooks", "fusedhooks.api", "fusedhooks.adaptive", "fusedhooks.agc", "fusedhooks.clip",
+                    "fusedhooks.zclip", "fusedhooks.tune", "fusedhooks.demo", "fusedhooks.build",
+                    "fusedhooks.__main__"}
+BELOW_THE_FACADE = sorted(n for n in MODULES
+                          if n not in ABOVE_THE_FACADE and not n.startswith("fusedhooks.integrations"))
+
+#: The path of a gradient, top down (DESIGN.md, Architecture): the facade, registration (tensors, modules, DDP,
+#: FSDP2), buckets, the firing, the registry and the statistics. A module imports none above it (at run time).
+LAYERS = ["fusedhooks.api", "fusedhooks.registration", "fusedhooks.distributed", "fusedhooks.buckets",
+          "fusedhooks.firing", "fusedhooks.registry", "fusedhooks.stats"]
+
+
+def _names_the_hook(path: pathlib.Path) -> list[str]:
+    """`file:line: what` of each import of fusedhooks.api (TYPE_CHECKING-only ones included) and each use of the name
+    GradHook (annotations included) in the module at `path`."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module == "api" or module.endswith(".api") or any(a.name == "api" for a in node.names):
+                bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Import) and any(a.name.endswith(".api") for a in node.names):
+            bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Name) and node.id == "GradHook":
+            bad.append(f"{path.name}:{node.lineno}: GradHook")
+    return bad
+
+
+@pytest.mark.parametrize("name", BELOW_THE_FACADE)
+def test_rooms_below_the_facade_never_name_the_hook(name):
+    bad = _names_the_hook(MODULES[name])
+    assert not bad, (f"{name} is below the hook object (api.py): hand it the parts or callables it needs (see "
+                     "buckets.FiringCalls, registration.Registration), never the GradHook:\n" + "\n".join(bad))
+
+
+def test_layers_go_down():
+    assert {"fusedhooks.registration", "fusedhooks.buckets", "fusedhooks.distributed"} <= set(BELOW_THE_FACADE)
+    for i, name in enumerate(LAYERS):
+        above = {t for t, _ in _imports(name, MODULES[name])} & set(LAYERS[:i])
+        assert not above, f"{name} imports {sorted(above)}, above it in {LAYERS}"
+
+
+def _holders_of(roots: dict[str, object], cls: type) -> list[str]:
+    """Paths (from the names of `roots`) to each instance of `cls` that `roots` hold strongly: through attributes,
+    containers, bound methods, partials and closures; not through weak references, modules, classes, a function's
+    globals, or tensors (data)."""
+    import functools
+    import types
+
+    import torch
+
+    found, seen = [], set()
+    stack = list(roots.items())
+    while stack:
+        path, obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.CodeType, str, bytes, int, float,
+                                               torch.Tensor, weakref.ReferenceType)) or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, cls):
+            found.append(path)
+            continue
+        if isinstance(obj, types.FunctionType):
+            cells = [c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not None]
+            children = [(f"{path}.<closure>", c) for c in cells] + [(f"{path}.__defaults__", obj.__defaults__)]
+        elif isinstance(obj, types.MethodType):
+            children = [(f"{path}.__self__", obj.__self__)]
+        elif isinstance(obj, functools.partial):
+            children = [(f"{path}.func", obj.func), (f"{path}.args", obj.args), (f"{path}.keywords", obj.keywords)]
+        elif isinstance(obj, dict):
+            children = [(f"{path}[{k!r:.40}]", v) for k, v in obj.items()] + [(f"{path}<key>", k) for k in obj]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+        else:
+            attributes = dict(getattr(obj, "__dict__", {}))
+            for klass in type(obj).__mro__:
+                for slot in getattr(klass, "__slots__", ()):
+                    if slot not in ("__weakref__", "__dict__") and hasattr(obj, slot):
+                        attributes[slot] = getattr(obj, slot)
+            children = [(f"{path}.{k}", v) for k, v in attributes.items()]
+        stack.extend(children)
+    return found
+
+
+def test_holder_finder():
+    class Hook:
+        pass
+
+    hook = Hook()
+    part = type("Part", (), {})()
+    part.callables = [lambda: hook]
+    part.weak = weakref.ref(hook)
+    assert _holders_of({"part": part}, Hook) == ["part.callables[0].<closure>"]
+
+
+def test_the_rooms_below_hold_no_hook():
+    """The hook's parts (its registration, buckets and shard statistics) hold no GradHook, not even after a backward
+    through buckets, a torch hook at its own firing and a tensor registered through torch directly: what torch holds
+    (the torch hooks) keeps the hook alive instead, as it keeps an eager hook."""
+    import gc
+
+    import torch
+
+    import fusedhooks as fh
+    from fusedhooks.buckets import FiringCalls
+
+    hook = fh.grad_hook(lambda g: g * 0.5, stats=("norm",), backend="reference")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    extra = torch.ones(3, requires_grad=True)
+    direct = torch.ones(3, requires_grad=True)
+    hook.register(model, bucket_mb=25)
+    hook.register(extra)
+    direct.register_post_accumulate_grad_hook(hook)
+    (model(extra + direct).sum()).backward()
+    assert len(hook.registry) == 6
+    parts = {"hook.registration": hook.registration, "hook._buckets": hook._buckets, "hook._shards": hook._shards}
+    assert not _holders_of(parts, fh.GradHook)
+    calls = hook.firing_calls()
+    assert isinstance(calls, FiringCalls) and not any(isinstance(v, fh.GradHook) for v in vars(calls).values())
+
+    # no reference cycle through the parts: a hook that has not fired yet goes with its tensors, gc or not
+    gc.disable()
+    try:
+        hook = fh.grad_hook(lambda g: g * 0.5, stats=("norm",))
+        model = torch.nn.Linear(3, 4)
+        hook.register(model, bucket_mb=25)
+        hook.register(torch.nn.Linear(2, 2), name="dropped")
+        ref = weakref.ref(hook)
+        del hook
+        assert ref() is not None  # the torch hooks on model's parameters hold it
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()
