@@ -26,6 +26,7 @@ from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
 
 # read at every firing: bound once
+_get_ident = threading.get_ident
 _graph_task_id, _grad_enabled, _set_grad_enabled = (torch._C._current_graph_task_id, torch.is_grad_enabled,
                                                     torch._C._set_grad_enabled)
 _Tensor, _strided = torch.Tensor, torch.strided
@@ -329,7 +330,7 @@ class GradHook:
             entry = self.registry.get(param) or self._add_at_firing(param)
         if backward_key is None:
             backward_key = _graph_task_id()
-        key = (grad.dtype, grad.is_cuda, grad.get_device())  # `_lean_key(grad)`, written out: read at every firing
+        key = (grad.dtype, grad.is_cuda, grad.get_device(), _get_ident())  # `_lean_key(grad)`, written out
         if self.reduces_over_dims:
             key += (grad.shape,)
         lean_firing = self._lean_firings.get(key)
@@ -337,7 +338,7 @@ class GradHook:
                 and not grad.requires_grad and (lean_firing.launches_only if by_hand else not _grad_enabled())
                 and grad.numel() and entry.checked_shape == grad.shape
                 and (self._distributed_checked or backward_key == self._distributed_seen)):
-            lean_firing(entry, grad, param, backward_key)  # what process() would do, with fewer lookups
+            lean_firing(backward_key, [entry], [entry.row], [grad], [param])  # process(), with fewer lookups
             return
         if by_hand:
             _set_grad_enabled(False)
@@ -367,13 +368,13 @@ class GradHook:
         if entry.checked_shape != grad.shape:
             self.check_shape(entry.name, grad)
             entry.checked_shape = grad.shape
-        self._firing(compiled)(entry, grad, param, backward_key)
+        self._firing(compiled, grad)(backward_key, [entry], [entry.row], [grad], [param])
         key = self._lean_key(grad)
         if (compiled.plan.backend in ("eager", "triton") and key not in self._lean_firings
                 and not torch.is_grad_enabled() and not grad.requires_grad and grad.numel()):
             if len(self._lean_firings) > 256:  # shapes keep changing: keep it small
                 self._lean_firings.clear()
-            self._lean_firings[key] = self._lean_firing(compiled)
+            self._lean_firings[key] = self._lean_firing(compiled, grad)
 
     def records(self, grad: torch.Tensor, param: torch.Tensor) -> bool:
         """Does an eager hook's body on `grad` make autograd record it here: `.grad` requires grad, or, with grad
@@ -387,50 +388,40 @@ class GradHook:
                 or any(s.requires_grad for s in self._body.scalars))
 
     def _lean_key(self, grad: torch.Tensor) -> tuple:
-        """What a lean firing is kept by: the gradient's dtype and device (and shape, for a body planned per shape),
-        read without building a torch.device."""
-        key = (grad.dtype, grad.is_cuda, grad.get_device())
+        """What a lean firing is kept by: the gradient's dtype and device, read without building a torch.device, the
+        thread (whose workspace its launch writes) (and the shape, for a body planned per shape)."""
+        key = (grad.dtype, grad.is_cuda, grad.get_device(), _get_ident())
         return key + (grad.shape,) if self.reduces_over_dims else key
 
-    def _lean_firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
+    def _lean_firing(self, compiled: Compiled, grad: torch.Tensor) -> Callable[[int, list, list, list, list], None]:
         """`process` for a plain (not a DTensor, not requiring grad), dense, non-empty gradient of `compiled`'s dtype
-        and device whose shape is checked, as `fire` calls it once the distributed check is done for this backward:
-        `firing(entry, grad, param, backward_key)`, on the eager and triton backends. It does only what the plan
+        and device (`grad`'s) whose shape is checked, in this thread, as `fire` calls it once the distributed check is
+        done for this backward: `firing(backward_key, [entry], [entry.row], [grad], [param])`, on the eager and triton
+        backends. It does only what the plan
         needs: on the eager backend without statistics and AMP, the body alone (no backward numbering, row, or record
         for clip_grad_norm_, which only reads hooks that record statistics). Its `launches_only`: whether it only
         launches kernels (`runtime.launches_only`), which record nothing with grad mode on."""
         plan, module, scalars = compiled.plan, compiled.kernel, self._body.scalars
         check_scalars = self._body.check_scalars
         if plan.backend == "eager" and not (plan.slots or plan.amp):
-            def body_alone(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
+            def body_alone(backward_key: int, entries: list, rows: list, grads: list, params: list) -> None:
                 if scalars:
                     check_scalars()
-                module(grad, param, scalars)
+                module(grads[0], params[0], scalars)
             body_alone.launches_only = False
             return body_alone
-        lean = self._firing(compiled)
+        lean = self._firing(compiled, grad)
         lean.launches_only = runtime.launches_only(plan, module)
         return lean
 
-    def _firing(self, compiled: Compiled) -> Callable[[Entry, torch.Tensor, torch.Tensor, int], None]:
-        """The firing of one gradient (`process` and the lean firing call it): `firing.Firing.run` (the sequence,
-        written once) with the launch of one gradient (`runtime.single_launch`) into this thread's workspace on the
-        gradient's device: `firing(entry, grad, param, backward_key)`."""
-        plan, module, scalars, run = compiled.plan, compiled.kernel, self._body.scalars, self.firing.run
-        launches: dict[int, Callable] = {}  # thread -> the launch into its workspace (this dtype and device)
-        get_ident = threading.get_ident
-
-        def launch_for(grad: torch.Tensor) -> Callable:
-            launch = runtime.single_launch(plan, module, scalars, self._workspace_for(grad))
-            if len(launches) > 64:  # threads come and go: keep it small
-                launches.clear()
-            launches[get_ident()] = launch
-            return launch
-
-        def firing(entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
-            launch = launches.get(get_ident()) or launch_for(grad)
-            run(plan, backward_key, [entry], [entry.row], [grad], [param], launch)
-        return firing
+    def _firing(self, compiled: Compiled, grad: torch.Tensor) -> functools.partial:
+        """The firing of gradients of `compiled`'s dtype and device (`grad`'s) in this thread (`process` and the lean
+        firing call it): `firing.Firing.run` (the sequence, written once) with the plan and the launch of one gradient
+        (`runtime.single_launch`) into this thread's workspace on that device bound, as
+        `firing(backward_key, [entry], [entry.row], [grad], [param])`."""
+        plan = compiled.plan
+        launch = runtime.single_launch(plan, compiled.kernel, self._body.scalars, self._workspace_for(grad))
+        return functools.partial(self.firing.run, plan, launch)
 
     def check_distributed(self, entry: Entry, backward_key: int) -> None:
         """At the first firing on a gradient of this rank alone in a process group of several ranks: say once

@@ -275,4 +275,4 @@ class Buckets:
             def launch(grads: list, params: list, stats: torch.Tensor | None, amp: tuple | None) -> None:
                 runtime.fire_bucket(plan, compiled.kernel, grads, params, rows, scalars, stats, workspace, amp, units,
                                     tuple(numels))
-            self.firing.run(plan, backward_key, entries, rows, grads, params, launch, whole=True)
+            self.firing.run(plan, launch, backward_key, entries, rows, grads, params, whole=True)

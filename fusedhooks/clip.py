@@ -15,7 +15,7 @@ from torch.compiler import is_compiling as _is_compiling  # bound once: checked 
 
 from . import distributed, fold, optable, runtime
 from .api import GradHook
-from .registry import Entry, Measurement
+from .registry import Entry
 
 if TYPE_CHECKING:  # importing the kernels imports triton: keep `import fusedhooks` free of it, so that
     from .kernels import multi_tensor  # TRITON_INTERPRET can still be set after importing the package
@@ -213,12 +213,12 @@ def _scale_by_total_norm(hook: GradHook, coefficient, norm_type: float, foreach:
     if copies:
         # a copy (which the graph may have changed before the call, `.grad` itself being written only after the
         # graph) is described by the recorded norm of the gradient it holds exactly the values of
-        described = [_has_row(hook, e) and (e.measured.describes(g, bumps) if c is g else
-                                            e.measured.describes(g) and torch.equal(c, g))
+        described = [_has_row(hook, e) and (e.measurement.describes(g, bumps) if c is g else
+                                            e.measurement.describes(g) and torch.equal(c, g))
                      for e, g, c in zip(entries, grads, given)]
         grads = list(given)
     else:
-        described = [_has_row(hook, e) and e.measured.describes(g, bumps) for e, g in zip(entries, grads)]
+        described = [_has_row(hook, e) and e.measurement.describes(g, bumps) for e, g in zip(entries, grads)]
     if not grads:
         return torch.zeros((), device=hook.stats.device or "cpu")
     per_hook = _layouts.setdefault(hook, {})
@@ -277,9 +277,9 @@ def _scale_by_total_norm(hook: GradHook, coefficient, norm_type: float, foreach:
     if exact_coef:
         for entry, grad, was_described in zip(entries, grads, described):
             if was_described:
-                entry.measured = Measurement.of(entry.measured.grad, grad._version, entry.measured.address,
-                                                clip_coef_clamped if entry.measured.coef is None
-                                                else entry.measured.coef * clip_coef_clamped)
+                measured = entry.measurement
+                entry.measured = (measured.grad, grad._version, measured.address,
+                                  clip_coef_clamped if measured.coef is None else measured.coef * clip_coef_clamped)
     return total_norm
 
 
@@ -330,7 +330,7 @@ def _refresh(values: torch.Tensor, layout: _Layout, grads: list[torch.Tensor], e
     recompute, rescale = [], {}
     for g in layout.groups:
         for k, i in enumerate(g.members):
-            measured = entries[i].measured
+            measured = entries[i].measurement
             if not described[i]:
                 recompute.append((g.start + k, i))
             elif measured.coef is not None and grads[i].numel():

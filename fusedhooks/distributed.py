@@ -390,7 +390,7 @@ class ShardStats:
         def launch(grads: list, params: list, partial_row: torch.Tensor | None, amp: tuple | None) -> None:
             runtime.fire(plan, compiled.kernel, local, local_param, scalars, partial_row, workspace)
         firing = ShardFiring(self.stats, scalars, self.check_scalars, self._partial_row)
-        firing.run(plan, backward_key, [entry], [entry.row], [local], [local_param], launch)
+        firing.run(plan, launch, backward_key, [entry], [entry.row], [local], [local_param])
         if not plan.slots:
             return
         if backward_key < 0:  # called by hand: every rank calls it, and it merges now

@@ -43,8 +43,8 @@ class Firing:
         self.amp_tensors = amp_tensors
         self.partial_row = partial_row
 
-    def run(self, plan, backward_key: int, entries: list[Entry], rows: list[int], grads: list[torch.Tensor],
-            params: list[torch.Tensor], launch: Launch, whole: bool = False) -> None:
+    def run(self, plan, launch: Launch, backward_key: int, entries: list[Entry], rows: list[int],
+            grads: list[torch.Tensor], params: list[torch.Tensor], whole: bool = False) -> None:
         """One firing of `plan` on `grads` (of `params`; `entries` and their statistics `rows`) in the backward
         `backward_key`, launched by `launch`. whole: the launch writes the statistics through the whole buffer
         (a bucket's table) instead of one row view (one gradient).

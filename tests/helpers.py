@@ -141,12 +141,13 @@ def record_processing(hook) -> list:
         processed.append(entry.name)
         process(entry, grad, param, backward_key)
 
-    def recorded_lean_firing(compiled):
-        firing = lean_firing(compiled)
+    def recorded_lean_firing(compiled, grad):
+        firing = lean_firing(compiled, grad)
 
-        def recorded_firing(entry, grad, param, backward_key):
-            processed.append(entry.name)
-            firing(entry, grad, param, backward_key)
+        def recorded_firing(backward_key, entries, rows, grads, params):
+            processed.append(entries[0].name)
+            firing(backward_key, entries, rows, grads, params)
+        recorded_firing.launches_only = firing.launches_only
         return recorded_firing
 
     hook.process = recorded

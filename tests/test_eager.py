@@ -2,6 +2,7 @@
 precision. Its numerics also run in every test that takes the `backend` fixture; these check what is its own."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -148,8 +149,8 @@ def test_the_lean_firing_equals_the_full_path(dtype, stats, backend, monkeypatch
         assert params[0].grad._version - versions[0] == params[1].grad._version - versions[1] > 0
         assert lean.stats.read() == full.stats.read()
         if stats:
-            assert lean.registry.get(params[0]).measured.describes(params[0].grad)
-    assert len(calls) == 1 and (dtype, False, -1) in lean._lean_firings
+            assert lean.registry.get(params[0]).measurement.describes(params[0].grad)
+    assert len(calls) == 1 and (dtype, False, -1, threading.get_ident()) in lean._lean_firings
     if stats:
         norms = [fh.clip_grad_norm_(hook, 0.1) for hook in hooks]
         assert torch.equal(norms[0], norms[1]) and torch.equal(params[0].grad, params[1].grad)
@@ -195,7 +196,7 @@ def test_the_lean_firing_in_a_backward():
         (w * torch.tensor([3.0, -3.0, 0.5, 1.0]) * (step + 1)).sum().backward()
         assert torch.equal(w.grad, torch.tensor([1.0, -1.0, min(0.5 * (step + 1), 1.0), 1.0]))
         assert hook.stats.read()["w"].fresh
-    assert (torch.float32, False, -1) in hook._lean_firings
+    assert (torch.float32, False, -1, threading.get_ident()) in hook._lean_firings
 
 
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])
