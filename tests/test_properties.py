@@ -60,12 +60,13 @@ def test_statistics_match_float64_for_any_values(backend, values, dtype, block):
 
 @settings(max_examples=40, deadline=None)
 @given(values=values, dtype=dtypes, block=st.sampled_from([16, 4096]))
-def test_norm_over_the_whole_range(values, dtype, block):
+@pytest.mark.parametrize("backend", ["triton", "eager"])
+def test_norm_over_the_whole_range(backend, values, dtype, block):
     """sumsq and norm of any values, subnormals and values near the fp32 maximum included."""
     os.environ["FUSEDHOOKS_BLOCK"] = str(block)
     try:
         grad = torch.tensor(values, dtype=torch.float32).to(dtype)
-        hook = fh.grad_hook(stats=("sumsq", "norm", "absmax", "nan", "inf"), backend="triton")
+        hook = fh.grad_hook(stats=("sumsq", "norm", "absmax", "nan", "inf"), backend=backend)
         fire(hook, grad)
         check_stats(hook.stats.read()["param0"], grad, ("sumsq", "norm", "absmax", "nan", "inf"))
     finally:
