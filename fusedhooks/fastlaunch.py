@@ -5,14 +5,28 @@ integer widths), looks the compiled kernel up and calls its launcher: tens of mi
 launch. A caller that launches the same kernel with the same meta again and again (runtime.Bound) keeps a
 dict; the first launch goes through Triton and leaves the compiled kernel there, keyed by what Triton
 specialises on, and the next ones call `CompiledKernel.run` as `JITFunction.run` does (triton 3.6 to 3.9).
-FUSEDHOOKS_FAST_LAUNCH=0 turns it off (every launch through `kernel[grid]`).
+FUSEDHOOKS_FAST_LAUNCH=0 turns it off (every launch through `kernel[grid]`): read when a launch finds no compiled
+kernel kept, not at every launch (reading os.environ costs about 1 µs).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import config
+
+#: triton's (driver, knobs), imported at the first launch (importing fusedhooks does not import triton; an import
+#: statement in `launch` cost about 0.3 µs each)
+_triton: tuple | None = None
+
+
+@functools.cache
+def interpreted_function() -> type:
+    """The class of Triton interpreter kernels (what @triton.jit makes under TRITON_INTERPRET=1)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return InterpretedFunction
 
 
 def specialization(args) -> tuple:
@@ -31,21 +45,23 @@ def constexpr_names(kernel) -> tuple[str, ...]:
 
 def launch(kernel, grid: tuple, args: tuple, meta: dict, cache: dict) -> None:
     """`kernel[grid](*args, **meta)`, through the compiled kernel in `cache` when there is one."""
-    from triton.runtime import driver
-
+    global _triton
+    if _triton is None:
+        from triton import knobs
+        from triton.runtime import driver
+        _triton = (driver, knobs)
+    driver, knobs = _triton
     device = driver.active.get_current_device()
     key = (device, specialization(args))
     entry = cache.get(key)
-    if entry is None or not config.fast_launch():
+    if entry is None:
         compiled = kernel[grid](*args, **meta)
-        if hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
+        if config.fast_launch() and hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
             names = constexpr_names(kernel)
             if list(kernel.arg_names[len(args):]) == list(names) and all(n in meta for n in names):
                 cache[key] = (compiled, tuple(meta[n] for n in names))
         return
     compiled, constexprs = entry
-    from triton import knobs
-
     stream = driver.active.get_current_stream(device)
     full = (*args, *constexprs)
     grid_1 = grid[1] if len(grid) > 1 else 1

@@ -190,8 +190,12 @@ def launch(kernel, grid: tuple, args: list | tuple, meta: dict, fast: dict | Non
     repacked at each call.
 
     fast: a dict the caller keeps for this kernel, grid and meta (a Bound's): on a GPU the first launch leaves
-    the compiled kernel in it and later ones launch that directly (see `fastlaunch`)."""
-    if config.triton_interpret():
+    the compiled kernel in it and later ones launch that directly (see `fastlaunch`).
+
+    A kernel of the Triton interpreter (made by @triton.jit under TRITON_INTERPRET=1) runs under a lock: the
+    interpreter is not thread-safe. Told by the kernel's type, not the environment (reading os.environ cost about
+    0.8 µs a launch)."""
+    if isinstance(kernel, fastlaunch.interpreted_function()):
         with _interpreter_lock:
             kernel[grid](*args, **meta)
     elif fast is not None:
