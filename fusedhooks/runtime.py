@@ -184,13 +184,13 @@ def units_aligned(units, element_size: int) -> bool:
     return all(elements * element_size % 16 == 0 for _, elements in units)
 
 
-def launch(kernel, grid: tuple, args: list | tuple, meta: dict, fast: dict | None = None) -> None:
+def launch(kernel, grid: tuple, args: list | tuple, meta: dict, fast: fastlaunch.Kept | None = None) -> None:
     """`kernel[grid](*args, **meta)`: every kernel launch of fusedhooks goes through here (tests count launches by
     wrapping it). The arguments and meta (constexprs, compile options) come as they are kept (a Bound's), not
     repacked at each call.
 
-    fast: a dict the caller keeps for this kernel, grid and meta (a Bound's): on a GPU the first launch leaves
-    the compiled kernel in it and later ones launch that directly (see `fastlaunch`).
+    fast: what the caller keeps for this kernel, grid and meta (a Bound's): on a GPU the first launch leaves the
+    compiled kernel in it and later ones launch that directly (see `fastlaunch.Kept`).
 
     A kernel of the Triton interpreter (made by @triton.jit under TRITON_INTERPRET=1) runs under a lock: the
     interpreter is not thread-safe. Told by the kernel's type, not the environment (reading os.environ cost about
@@ -212,7 +212,8 @@ class Bound:
     """The launches of one firing, bound once: the kernels, their grids and meta (constexprs, compile options), and
     the arguments in order with everything that stays the same between firings in place (scalars, workspace
     buffers, numel, the bucket table); `run_bound` puts in the rest (`slots`: role -> position).
-    fast: one dict per kernel for `launch`."""
+    fast: one fastlaunch.Kept per kernel for `launch` (its `varying`: the slots' and the closed-over tensors'
+    positions)."""
 
     kernels: tuple
     grids: tuple
@@ -241,15 +242,17 @@ def bind(module, multi: bool, grid: int, workspace: Workspace, scalars: list[tor
     sizes = {"reduced": n * spec.n_reductions, "units": n * spec.units_values,
              "unit_partials": n * spec.unit_partial_values, "unit_counters": n * spec.unit_counter_values,
              "partials": values.get("partial_values", 0), "counter": n, "hist": n * spec.hist_values}
-    args, slots = [], []
+    args, slots, varying = [], [], []
     for role in roles:
         if role in meta:
             continue  # ALIGNED, BLOCK, RBLOCK
         if role.startswith("scalar"):
+            varying.append(len(args))
             args.append(scalars[int(role.removeprefix("scalar"))])
         elif role in sizes:
             args.append(workspace.buffer(role, sizes[role]))
         elif role in _PER_FIRING:
+            varying.append(len(args))
             slots.append((role, len(args)))
             args.append(None)
         else:
@@ -257,7 +260,7 @@ def bind(module, multi: bool, grid: int, workspace: Workspace, scalars: list[tor
     names = spec.multi_kernels if multi else spec.kernels_for(grid)
     grids = tuple((spec.grid_of(name, grid, n),) for name in names)
     return Bound(tuple(getattr(module, name) for name in names), grids, args, meta, tuple(slots),
-                 tuple({} for _ in names))
+                 tuple(fastlaunch.Kept(tuple(varying)) for _ in names))
 
 
 def filled_args(bound: Bound, values: tuple) -> list:
