@@ -394,9 +394,10 @@ class GradHook:
                                           self.firing_calls())
 
     def firing_calls(self) -> FiringCalls:
-        """The calls a registration makes into this hook's firing (see `buckets.FiringCalls`): made for each
-        registration and held by what torch holds for it (the tensors' torch hooks, ...), never by the hook's parts,
-        so that a registration keeps the hook alive as torch keeps an eager hook, without a reference cycle."""
+        """The calls a registration makes into this hook's firing (see `buckets.FiringCalls`): the dispatch's (its
+        pause flag read without a Python call), and the firing while torch.compile traces, which holds the hook. Made
+        for each registration and held by what torch holds for it (the tensors' torch hooks, ...), never by the hook's
+        parts, so that a registration keeps the hook alive as torch keeps an eager hook, without a reference cycle."""
         dispatch, fire_compiling = self.dispatch, functools.partial(_fire_compiling, self)
         return FiringCalls(fire=dispatch.fire, fire_compiling=fire_compiling, process=dispatch.process,
                            check_distributed=dispatch.check_distributed,
