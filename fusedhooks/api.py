@@ -6,10 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import threading
-import warnings
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +15,7 @@ from torch.compiler import is_compiling as _is_compiling  # bound once: checked 
 from . import amp, codegen, config, dims, distributed, eager, firing, optable, runtime
 from .buckets import Buckets, FiringCalls
 from .compilation import Compiled, HookCompilation, Workspaces
+from .dispatch import Dispatch
 from .ir import STAT_NAMES, Graph
 from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
 from .registration import Registration, check_dtype
@@ -25,11 +23,8 @@ from .registry import Entry, RegistrationHandle, Registry
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
 
-# read at every firing: bound once
-_get_ident = threading.get_ident
-_graph_task_id, _grad_enabled, _set_grad_enabled = (torch._C._current_graph_task_id, torch.is_grad_enabled,
-                                                    torch._C._set_grad_enabled)
-_Tensor, _strided = torch.Tensor, torch.strided
+# read at every call of a hook: bound once
+_graph_task_id, _grad_enabled = torch._C._current_graph_task_id, torch.is_grad_enabled
 
 
 def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
@@ -46,8 +41,8 @@ def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
     grad = param.grad
     if grad is None:
         return
-    if hook.records(grad, param):  # backward(create_graph=True): the body must run as ops autograd records
-        ops.outside_graph(hook._fire_unless_paused, param)
+    if hook.dispatch.records(grad, param):  # backward(create_graph=True): the body must run as ops autograd records
+        ops.outside_graph(hook.dispatch.fire_unless_paused, param)
         return
     entry = hook.registry.get_live(param)
     if entry is not None and grad.layout == torch.strided:
@@ -72,7 +67,7 @@ def _fire_in_op(hook: GradHook, param: torch.Tensor, grad: torch.Tensor
     paused (None); else the tensors the firing writes: (the statistics buffer, found_inf by device)."""
     if hook.is_paused:
         return None
-    hook.fire(param, hook.registry.get(param), grad=grad)
+    hook.dispatch.fire(param, hook.registry.get(param), grad=grad)
     return hook.stats.buffer, hook.amp.found_inf if hook.amp is not None else {}
 
 
@@ -132,7 +127,7 @@ def _traced_plan(hook_key: int, row: int, grad: torch.Tensor) -> tuple[Plan, obj
     hook.check_shape(hook.stats.names[row], grad)
     if hook.scalars:
         hook.check_scalars()
-    compiled = hook._compiled_for(grad)
+    compiled = hook.compilation.compiled_for(grad)
     if compiled.plan.amp:
         hook.amp.check_scale()
         hook.amp.check_covers_optimizer()
@@ -230,10 +225,6 @@ class GradHook:
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler= takes a torch.amp.GradScaler, not {type(scaler).__name__}")
         self.scaler, self.optimizer = scaler, optimizer
-        #: True while any paused() block runs, in any thread (read-only: set by paused())
-        self.is_paused = False
-        self._pauses = 0
-        self._state_lock = threading.Lock()  # the paused() count, the found_inf buffers
         if fn is not None and not callable(fn):
             raise TypeError(f"grad_hook takes a function, not {type(fn).__name__}")
         self._body: TracedBody = trace(fn if fn is not None else _identity)
@@ -248,10 +239,6 @@ class GradHook:
             amp.install()    # not look current after it
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
         self.registry = Registry(self.stats)
-        self._distributed_checked = False
-        self._distributed_seen = -1  # the backward in which no process group was running, last checked
-        #: `_lean_key(grad)` -> the `_lean_firing` of such gradients (eager and triton backends)
-        self._lean_firings: dict[tuple, Callable] = {}
         #: what a traced call of a fusedhooks operator names this hook by (see ops.py, optable.py)
         self.op_key = optable.add(self)
         if fn is not None:
@@ -266,11 +253,6 @@ class GradHook:
             hist_range=self.hist_range, backend=self.backend, amp=self._amp, name=self.__name__)
         #: this hook's scratch on each device, per thread
         self.workspaces = Workspaces()
-        # the per-firing lookups, bound (no call between): `compiled` by the gradient's dtype and device index, the
-        # reference plan autograd records, this thread's workspace on the gradient's device
-        self._compiled_for = self.compilation.compiled_for
-        self._compiled_for_autograd = self.compilation.compiled_for_autograd
-        self._workspace_for = self.workspaces.for_grad
         #: the GradScaler books of scaler= (None without it)
         self.amp = None if scaler is None else amp.HookAmp(scaler, optimizer, self.__name__, self.op_key,
                                                             self.registry)
@@ -287,20 +269,25 @@ class GradHook:
         #: the statistics of sharded (FSDP2) parameters, merged across ranks when a backward ends
         self._shards = distributed.ShardStats(self.stats, self.compilation, self.workspaces, self._body.check_scalars,
                                               self.registration.check_sharded)
+        #: the eager firing, one gradient at a time (`fire`, `process`; see dispatch.py), and the pause flag
+        self.dispatch = Dispatch(self.registry, self.registration.add_at_firing, self.compilation, self.workspaces,
+                                 self.firing, self._shards, self._buckets.process_at_firing)
 
     # --- calling ----------------------------------------------------------------------------------
 
     def __call__(self, arg):
         if isinstance(arg, torch.Tensor):
+            dispatch = self.dispatch
             if _is_compiling():
                 _fire_compiling(self, arg)
-            elif self.is_paused:
+            elif dispatch.is_paused:
                 pass
             elif (_grad_enabled() and _graph_task_id() == -1
                   and ((grad := arg.grad) is None or not grad.requires_grad)):
-                self.fire(arg, None, -1, None, True)  # by hand: as in a backward without create_graph: nothing recorded
+                # by hand: as in a backward without create_graph: nothing recorded
+                dispatch.fire(arg, None, -1, None, True)
             else:
-                self.fire(arg)
+                dispatch.fire(arg)
             return None
         if self.fn is None and callable(arg):
             return GradHook(arg, stats=self.stat_names, input_stats=self.input_stat_names, backend=self.backend,
@@ -310,7 +297,7 @@ class GradHook:
 
     def fire(self, param: torch.Tensor, entry: Entry | None = None, backward_key: int | None = None,
              grad: torch.Tensor | None = None, by_hand: bool = False) -> None:
-        """Process `param.grad` now, in place, and record its statistics (one firing).
+        """Process `param.grad` now, in place, and record its statistics (one firing; `Dispatch.fire`).
 
         entry: its registration (looked up, or made for a tensor registered through torch directly);
         backward_key: the autograd graph task the firing belongs to (default: the current one). When `.grad`
@@ -322,128 +309,17 @@ class GradHook:
         by_hand: a call by hand with grad mode on, outside a backward, on a gradient that does not require grad:
         processed as in a backward without create_graph, with grad mode off (nothing recorded; a firing that only
         launches kernels, `runtime.launches_only`, records nothing anyway and leaves grad mode as it is)."""
-        if grad is None:
-            grad = param.grad
-            if grad is None:
-                return
-        if entry is None:
-            entry = self.registry.get(param) or self._add_at_firing(param)
-        if backward_key is None:
-            backward_key = _graph_task_id()
-        key = (grad.dtype, grad.is_cuda, grad.get_device(), _get_ident())  # `_lean_key(grad)`, written out
-        if self.reduces_over_dims:
-            key += (grad.shape,)
-        lean_firing = self._lean_firings.get(key)
-        if (lean_firing is not None and type(grad) is _Tensor and grad.layout == _strided
-                and not grad.requires_grad and (lean_firing.launches_only if by_hand else not _grad_enabled())
-                and grad.numel() and entry.checked_shape == grad.shape
-                and (self._distributed_checked or backward_key == self._distributed_seen)):
-            lean_firing(backward_key, [entry], [entry.row], [grad], [param])  # process(), with fewer lookups
-            return
-        if by_hand:
-            _set_grad_enabled(False)
-            try:
-                self.fire(param, entry, backward_key, grad)
-            finally:
-                _set_grad_enabled(True)
-            return
-        if distributed.is_dtensor(grad):
-            self._shards.fire(entry, param, grad, backward_key)
-            return
-        if not self._distributed_checked:
-            self.check_distributed(entry, backward_key)
-        self.process(entry, grad, param, backward_key)
+        self.dispatch.fire(param, entry, backward_key, grad, by_hand)
 
     def process(self, entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
         """Apply the body to `grad` (param.grad, or DDP's averaged bucket view of it) in place and record its
-        statistics in `entry`'s row, as one firing of the backward `backward_key`."""
-        if grad.layout != torch.strided:
-            raise TypeError(f"{entry.name}: its gradient is a {grad.layout} tensor; gradient hooks process dense "
-                            "gradients: make the module produce dense ones (nn.Embedding(sparse=False)) or register "
-                            "the hook on the other parameters only")
-        if self.records(grad, param):
-            compiled = self._compiled_for_autograd(grad.dtype, grad.shape)
-        else:
-            compiled = self._compiled_for(grad)
-        if entry.checked_shape != grad.shape:
-            self.check_shape(entry.name, grad)
-            entry.checked_shape = grad.shape
-        self._firing(compiled, grad)(backward_key, [entry], [entry.row], [grad], [param])
-        key = self._lean_key(grad)
-        if (compiled.plan.backend in ("eager", "triton") and key not in self._lean_firings
-                and not torch.is_grad_enabled() and not grad.requires_grad and grad.numel()):
-            if len(self._lean_firings) > 256:  # shapes keep changing: keep it small
-                self._lean_firings.clear()
-            self._lean_firings[key] = self._lean_firing(compiled, grad)
+        statistics in `entry`'s row, as one firing of the backward `backward_key` (`Dispatch.process`)."""
+        self.dispatch.process(entry, grad, param, backward_key)
 
-    def records(self, grad: torch.Tensor, param: torch.Tensor) -> bool:
-        """Does an eager hook's body on `grad` make autograd record it here: `.grad` requires grad, or, with grad
-        mode on (a backward(create_graph=True)), the body reads a tensor that does (the parameter, a closed-over
-        tensor)? Then the body runs as eager torch ops that autograd records, as an eager hook's would."""
-        if grad.requires_grad:
-            return True
-        if not torch.is_grad_enabled():
-            return False
-        return ((param.requires_grad and self._body_for(tuple(grad.shape)).uses_param)
-                or any(s.requires_grad for s in self._body.scalars))
-
-    def _lean_key(self, grad: torch.Tensor) -> tuple:
-        """What a lean firing is kept by: the gradient's dtype and device, read without building a torch.device, the
-        thread (whose workspace its launch writes) (and the shape, for a body planned per shape)."""
-        key = (grad.dtype, grad.is_cuda, grad.get_device(), _get_ident())
-        return key + (grad.shape,) if self.reduces_over_dims else key
-
-    def _lean_firing(self, compiled: Compiled, grad: torch.Tensor) -> Callable[[int, list, list, list, list], None]:
-        """`process` for a plain (not a DTensor, not requiring grad), dense, non-empty gradient of `compiled`'s dtype
-        and device (`grad`'s) whose shape is checked, in this thread, as `fire` calls it once the distributed check is
-        done for this backward: `firing(backward_key, [entry], [entry.row], [grad], [param])`, on the eager and triton
-        backends. It does only what the plan
-        needs: on the eager backend without statistics and AMP, the body alone (no backward numbering, row, or record
-        for clip_grad_norm_, which only reads hooks that record statistics). Its `launches_only`: whether it only
-        launches kernels (`runtime.launches_only`), which record nothing with grad mode on."""
-        plan, module, scalars = compiled.plan, compiled.kernel, self._body.scalars
-        check_scalars = self._body.check_scalars
-        if plan.backend == "eager" and not (plan.slots or plan.amp):
-            def body_alone(backward_key: int, entries: list, rows: list, grads: list, params: list) -> None:
-                if scalars:
-                    check_scalars()
-                module(grads[0], params[0], scalars)
-            body_alone.launches_only = False
-            return body_alone
-        lean = self._firing(compiled, grad)
-        lean.launches_only = runtime.launches_only(plan, module)
-        return lean
-
-    def _firing(self, compiled: Compiled, grad: torch.Tensor) -> functools.partial:
-        """The firing of gradients of `compiled`'s dtype and device (`grad`'s) in this thread (`process` and the lean
-        firing call it): `firing.Firing.run` (the sequence, written once) with the plan and the launch of one gradient
-        (`runtime.single_launch`) into this thread's workspace on that device bound, as
-        `firing(backward_key, [entry], [entry.row], [grad], [param])`."""
-        plan = compiled.plan
-        launch = runtime.single_launch(plan, compiled.kernel, self._body.scalars, self._workspace_for(grad))
-        return functools.partial(self.firing.run, plan, launch)
-
-    def check_distributed(self, entry: Entry, backward_key: int) -> None:
-        """At the first firing on a gradient of this rank alone in a process group of several ranks: say once
-        that the hook sees local gradients (under DDP, before they are averaged), and process end-of-backward
-        buckets at each firing from now on, before DDP's reducer (which Python cannot see) reads them. Without
-        a process group, checked again at the next backward; once checked, nothing."""
-        if self._distributed_checked or backward_key == self._distributed_seen or entry.ddp_ignored:
-            return
-        world = distributed.world_size()
-        if world is None:
-            self._distributed_seen = backward_key
-            return
-        self._distributed_checked = True
-        if world > 1:
-            self._buckets.process_at_firing()
-            warnings.warn(distributed.LocalGradientWarning(
-                f"fusedhooks: {self.__name__} processes each rank's own gradient of {entry.name} (a process group "
-                f"of {world} ranks is running). Under DistributedDataParallel that is the local, un-averaged "
-                "gradient, processed before DDP averages it, as an eager torch hook would be; to process the "
-                "averaged gradient instead, register the hook on the DDP model itself: hook.register(ddp_model). "
-                "End-of-backward buckets (bucket_mb=) of this hook are processed at each firing from now on, "
-                "so that DDP reads the processed gradients."), stacklevel=3)
+    @property
+    def is_paused(self) -> bool:
+        """True while any paused() block runs, in any thread (read-only: set by paused())."""
+        return self.dispatch.is_paused
 
     @property
     def scalars(self) -> list[torch.Tensor]:
@@ -518,22 +394,15 @@ class GradHook:
                                           self.firing_calls())
 
     def firing_calls(self) -> FiringCalls:
-        """The calls a registration makes into this hook's firing (see `buckets.FiringCalls`): made for each
-        registration and held by what torch holds for it (the tensors' torch hooks, ...), never by the hook's parts,
-        so that a registration keeps the hook alive as torch keeps an eager hook, without a reference cycle."""
-        return FiringCalls(fire=self.fire, fire_compiling=functools.partial(_fire_compiling, self),
-                           process=self.process, check_distributed=self.check_distributed,
-                           is_paused=lambda: self.is_paused, at_firing=self._at_firing)
-
-    def _at_firing(self, entry: Entry):
-        """The torch hook of a tensor registered by register() (bucket_mb=0): `hook(param)` for its entry; while
-        torch.compile traces it, one `fusedhooks::fire` op (see `ops`)."""
-        def fire(param: torch.Tensor) -> None:
-            if _is_compiling():
-                _fire_compiling(self, param)
-            elif not self.is_paused:
-                self.fire(param, entry if entry.ref() is param else None)
-        return fire
+        """The calls a registration makes into this hook's firing (see `buckets.FiringCalls`): the dispatch's (its
+        pause flag read without a Python call), and the firing while torch.compile traces, which holds the hook. Made
+        for each registration and held by what torch holds for it (the tensors' torch hooks, ...), never by the hook's
+        parts, so that a registration keeps the hook alive as torch keeps an eager hook, without a reference cycle."""
+        dispatch, fire_compiling = self.dispatch, functools.partial(_fire_compiling, self)
+        return FiringCalls(fire=dispatch.fire, fire_compiling=fire_compiling, process=dispatch.process,
+                           check_distributed=dispatch.check_distributed,
+                           is_paused=functools.partial(getattr, dispatch, "is_paused"),
+                           at_firing=functools.partial(dispatch.torch_hook, fire_compiling))
 
     def explain(self) -> BackwardPlan:
         """Launches per backward for the tensors this hook is registered on (an upper bound)."""
@@ -591,26 +460,8 @@ class GradHook:
         """Within this block the hook does nothing (gradient accumulation: clip and record statistics once,
         on the accumulated gradient of the last micro-batch, outside the block). It pauses the hook object,
         for every thread, while any such block runs (blocks in several threads may overlap)."""
-        with self._state_lock:
-            self._pauses += 1
-            self.is_paused = True
-        try:
+        with self.dispatch.paused():
             yield self
-        finally:
-            with self._state_lock:
-                self._pauses -= 1
-                self.is_paused = self._pauses > 0
-
-    def _fire_unless_paused(self, param: torch.Tensor) -> None:
-        """The eager firing, run outside the graph torch.compile traces: for a gradient that requires grad
-        (backward(create_graph=True)), whose body runs as eager torch ops that autograd records."""
-        if not self.is_paused:
-            self.fire(param, self.registry.get(param))
-
-    def _add_at_firing(self, t: torch.Tensor) -> Entry:
-        """Register `t`, registered through torch directly (`t.register_post_accumulate_grad_hook(hook)`), at its
-        first firing (`Registration.add_at_firing`)."""
-        return self.registration.add_at_firing(t)
 
     # --- introspection ----------------------------------------------------------------------------
 

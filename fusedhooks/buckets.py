@@ -41,12 +41,12 @@ class FiringCalls:
     backward, DDP's communication hook, the forward pre-hook that follows fully_shard), so that a registration
     keeps its hook alive, as torch keeps an eager hook; never by the hook's own parts (no reference cycle).
 
-    fire(param, entry, backward_key): process `param.grad` now, one firing (`GradHook.fire`); fire_compiling(param):
-    that firing while torch.compile traces the torch hook (one fusedhooks::fire op); process(entry, grad, param,
-    backward_key): process `grad` (`param.grad`, or DDP's averaged view of it) in place, one firing of its own
-    (`GradHook.process`); check_distributed(entry, backward_key): the check of a first firing in a process group
-    (`GradHook.check_distributed`); is_paused(): is the hook in a `paused()` block; at_firing(entry): the torch hook
-    of a tensor processed at its own firing (bucket_mb=0)."""
+    fire(param, entry, backward_key): process `param.grad` now, one firing (`dispatch.Dispatch.fire`);
+    fire_compiling(param): that firing while torch.compile traces the torch hook (one fusedhooks::fire op);
+    process(entry, grad, param, backward_key): process `grad` (`param.grad`, or DDP's averaged view of it) in place,
+    one firing of its own (`Dispatch.process`); check_distributed(entry, backward_key): the check of a first firing
+    in a process group (`Dispatch.check_distributed`); is_paused(): is the hook in a `paused()` block; at_firing(entry):
+    the torch hook of a tensor processed at its own firing (bucket_mb=0, `Dispatch.torch_hook`)."""
 
     fire: Callable[[torch.Tensor, Entry, int], None]
     fire_compiling: TorchHook
@@ -139,7 +139,7 @@ class Buckets:
         it holds: the tensor keeps the hook alive). Processed now, at its own firing, when the gradient must be
         final before anything else runs (a post-accumulate hook registered after ours on the tensor), when autograd
         records the body (a backward with create_graph=True), outside a backward, for a sharded (FSDP2) gradient, in
-        a process group of several ranks (see GradHook.check_distributed), and while torch.compile traces it (one
+        a process group of several ranks (see Dispatch.check_distributed), and while torch.compile traces it (one
         `fusedhooks::fire` op, see `ops`)."""
         fire, fire_compiling, is_paused = calls.fire, calls.fire_compiling, calls.is_paused
         graph_task_id, grad_enabled = torch._C._current_graph_task_id, torch.is_grad_enabled

@@ -134,8 +134,9 @@ def torch_fp32_norm_rtol(numels) -> float:
 def record_processing(hook) -> list:
     """The names of the parameters `hook` processes from now on, one per processing (a firing that the hook does
     not skip), in order: through `process`, or through the lean firing `process` leaves behind for later firings
-    of the same dtype and device (GradHook._lean_firing)."""
-    processed, process, lean_firing = [], hook.process, hook._lean_firing
+    of the same dtype and device (Dispatch.lean_firing; the hook's dispatch, `hook.dispatch`, is patched)."""
+    dispatch = hook.dispatch
+    processed, process, lean_firing = [], dispatch.process, dispatch.lean_firing
 
     def recorded(entry, grad, param, backward_key):
         processed.append(entry.name)
@@ -150,8 +151,8 @@ def record_processing(hook) -> list:
         recorded_firing.launches_only = firing.launches_only
         return recorded_firing
 
-    hook.process = recorded
-    hook._lean_firing = recorded_lean_firing
+    dispatch.process = recorded
+    dispatch.lean_firing = recorded_lean_firing
     return processed
 
 

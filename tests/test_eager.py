@@ -117,13 +117,14 @@ def test_large_temporaries_are_reused_between_firings():
     assert {dtype: t.data_ptr() for dtype, t in workspace._scratch.items()} == first
 
 
-# --- the lean firing (GradHook._lean_firing): what process() does, with fewer lookups ------------------------
+# --- the lean firing (Dispatch.lean_firing): what process() does, with fewer lookups --------------------------
 
 
 def _spy_process(hook, monkeypatch) -> list:
-    """The gradients hook.process() (the full path) is called with."""
-    calls, process = [], hook.process
-    monkeypatch.setattr(hook, "process", lambda entry, grad, *args: (calls.append(grad), process(entry, grad, *args)))
+    """The gradients the full path (`hook.dispatch.process`) is called with."""
+    calls, process = [], hook.dispatch.process
+    monkeypatch.setattr(hook.dispatch, "process",
+                        lambda entry, grad, *args: (calls.append(grad), process(entry, grad, *args)))
     return calls
 
 
@@ -150,7 +151,7 @@ def test_the_lean_firing_equals_the_full_path(dtype, stats, backend, monkeypatch
         assert lean.stats.read() == full.stats.read()
         if stats:
             assert lean.registry.get(params[0]).measurement.describes(params[0].grad)
-    assert len(calls) == 1 and (dtype, False, -1, threading.get_ident()) in lean._lean_firings
+    assert len(calls) == 1 and (dtype, False, -1, threading.get_ident()) in lean.dispatch.lean_firings
     if stats:
         norms = [fh.clip_grad_norm_(hook, 0.1) for hook in hooks]
         assert torch.equal(norms[0], norms[1]) and torch.equal(params[0].grad, params[1].grad)
@@ -196,7 +197,7 @@ def test_the_lean_firing_in_a_backward():
         (w * torch.tensor([3.0, -3.0, 0.5, 1.0]) * (step + 1)).sum().backward()
         assert torch.equal(w.grad, torch.tensor([1.0, -1.0, min(0.5 * (step + 1), 1.0), 1.0]))
         assert hook.stats.read()["w"].fresh
-    assert (torch.float32, False, -1, threading.get_ident()) in hook._lean_firings
+    assert (torch.float32, False, -1, threading.get_ident()) in hook.dispatch.lean_firings
 
 
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])

@@ -196,9 +196,10 @@ BELOW_THE_FACADE = sorted(n for n in MODULES
                           if n not in ABOVE_THE_FACADE and not n.startswith("fusedhooks.integrations"))
 
 #: The path of a gradient, top down (DESIGN.md, Architecture): the facade, registration (tensors, modules, DDP,
-#: FSDP2), buckets, the firing, the registry and the statistics. A module imports none above it (at run time).
-LAYERS = ["fusedhooks.api", "fusedhooks.registration", "fusedhooks.distributed", "fusedhooks.buckets",
-          "fusedhooks.firing", "fusedhooks.registry", "fusedhooks.stats"]
+#: FSDP2), the eager firing's dispatch (one gradient at a time), buckets, the firing, the registry and the
+#: statistics. A module imports none above it (at run time).
+LAYERS = ["fusedhooks.api", "fusedhooks.registration", "fusedhooks.dispatch", "fusedhooks.distributed",
+          "fusedhooks.buckets", "fusedhooks.firing", "fusedhooks.registry", "fusedhooks.stats"]
 
 
 def _names_the_hook(path: pathlib.Path) -> list[str]:
@@ -225,7 +226,8 @@ def test_rooms_below_the_facade_never_name_the_hook(name):
 
 
 def test_layers_go_down():
-    assert {"fusedhooks.registration", "fusedhooks.buckets", "fusedhooks.distributed"} <= set(BELOW_THE_FACADE)
+    assert {"fusedhooks.registration", "fusedhooks.dispatch", "fusedhooks.buckets",
+            "fusedhooks.distributed"} <= set(BELOW_THE_FACADE)
     for i, name in enumerate(LAYERS):
         above = {t for t, _ in _imports(name, MODULES[name])} & set(LAYERS[:i])
         assert not above, f"{name} imports {sorted(above)}, above it in {LAYERS}"
@@ -285,9 +287,9 @@ def test_holder_finder():
 
 
 def test_the_rooms_below_hold_no_hook():
-    """The hook's parts (its registration, buckets and shard statistics) hold no GradHook, not even after a backward
-    through buckets, a torch hook at its own firing and a tensor registered through torch directly: what torch holds
-    (the torch hooks) keeps the hook alive instead, as it keeps an eager hook."""
+    """The hook's parts (its registration, dispatch, buckets and shard statistics) hold no GradHook, not even after a
+    backward through buckets, a torch hook at its own firing and a tensor registered through torch directly, and a
+    call by hand: what torch holds (the torch hooks) keeps the hook alive instead, as it keeps an eager hook."""
     import gc
 
     import torch
@@ -295,31 +297,43 @@ def test_the_rooms_below_hold_no_hook():
     import fusedhooks as fh
     from fusedhooks.buckets import FiringCalls
 
-    hook = fh.grad_hook(lambda g: g * 0.5, stats=("norm",), backend="reference")
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    extra = torch.ones(3, requires_grad=True)
-    direct = torch.ones(3, requires_grad=True)
-    hook.register(model, bucket_mb=25)
-    hook.register(extra)
-    direct.register_post_accumulate_grad_hook(hook)
-    (model(extra + direct).sum()).backward()
-    assert len(hook.registry) == 6
-    parts = {"hook.registration": hook.registration, "hook._buckets": hook._buckets, "hook._shards": hook._shards}
-    assert not _holders_of(parts, fh.GradHook)
-    calls = hook.firing_calls()
-    assert isinstance(calls, FiringCalls) and not any(isinstance(v, fh.GradHook) for v in vars(calls).values())
-
-    # no reference cycle through the parts: a hook that has not fired yet goes with its tensors, gc or not
-    gc.disable()
-    try:
-        hook = fh.grad_hook(lambda g: g * 0.5, stats=("norm",))
-        model = torch.nn.Linear(3, 4)
+    for backend in ("reference", "eager"):  # the eager backend leaves lean firings behind (Dispatch.lean_firings)
+        hook = fh.grad_hook(lambda g: g * 0.5, stats=("norm",), backend=backend)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        extra = torch.ones(3, requires_grad=True)
+        direct = torch.ones(3, requires_grad=True)
         hook.register(model, bucket_mb=25)
-        hook.register(torch.nn.Linear(2, 2), name="dropped")
-        ref = weakref.ref(hook)
-        del hook
-        assert ref() is not None  # the torch hooks on model's parameters hold it
-        del model
-        assert ref() is None
-    finally:
-        gc.enable()
+        hook.register(extra)
+        direct.register_post_accumulate_grad_hook(hook)
+        (model(extra + direct).sum()).backward()
+        hook(direct)
+        assert len(hook.registry) == 6 and bool(hook.dispatch.lean_firings) == (backend == "eager")
+        parts = {"hook.registration": hook.registration, "hook.dispatch": hook.dispatch,
+                 "hook._buckets": hook._buckets, "hook._shards": hook._shards}
+        assert not _holders_of(parts, fh.GradHook)
+        calls = hook.firing_calls()
+        assert isinstance(calls, FiringCalls) and not any(isinstance(v, fh.GradHook) for v in vars(calls).values())
+
+    # no reference cycle through the parts: a hook goes with its tensors, gc or not, before it fires and after (at
+    # their own firings and in buckets, each backend's lean firings)
+    for backend, fired in [("eager", False), ("eager", True), ("reference", True)]:
+        gc.disable()
+        try:
+            hook = fh.grad_hook(lambda g: g * 0.5, stats=("norm",), backend=backend)
+            model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+            hook.register(model[0], name="0", bucket_mb=25)
+            hook.register(model[1], name="1")
+            hook.register(torch.nn.Linear(2, 2), name="dropped")
+            direct = torch.ones(3, requires_grad=True)
+            direct.register_post_accumulate_grad_hook(hook)
+            if fired:
+                for _ in range(2):
+                    model(direct).sum().backward()
+                hook(direct)
+            ref = weakref.ref(hook)
+            del hook
+            assert ref() is not None  # the torch hooks on model's parameters hold it
+            del model, direct
+            assert ref() is None, f"a hook that {'fired' if fired else 'did not fire'} ({backend}) outlives its tensors"
+        finally:
+            gc.enable()
