@@ -398,7 +398,10 @@ class GradHook:
         pause flag read without a Python call), and the firing while torch.compile traces, which holds the hook. Made
         for each registration and held by what torch holds for it (the tensors' torch hooks, ...), never by the hook's
         parts, so that a registration keeps the hook alive as torch keeps an eager hook, without a reference cycle."""
-        dispatch, fire_compiling = self.dispatch, functools.partial(_fire_compiling, self)
+        dispatch, hook = self.dispatch, self
+
+        def fire_compiling(param: torch.Tensor) -> None:  # a function, not a partial: dynamo guards it in fewer checks
+            _fire_compiling(hook, param)
         return FiringCalls(fire=dispatch.fire, fire_compiling=fire_compiling, process=dispatch.process,
                            check_distributed=dispatch.check_distributed,
                            is_paused=functools.partial(getattr, dispatch, "is_paused"),
