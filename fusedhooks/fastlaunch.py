@@ -17,9 +17,14 @@ import torch
 
 from . import config
 
-#: triton's (driver, knobs), imported at the first launch (importing fusedhooks does not import triton; an import
-#: statement in `launch` cost about 0.3 µs each)
-_triton: tuple | None = None
+
+@functools.cache
+def _triton_runtime() -> tuple:
+    """triton's (driver, knobs), imported at the first launch (importing fusedhooks does not import triton; an import
+    statement in `launch` cost about 0.3 µs each)."""
+    from triton import knobs
+    from triton.runtime import driver
+    return driver, knobs
 
 
 @functools.cache
@@ -61,12 +66,7 @@ def constexpr_names(kernel) -> tuple[str, ...]:
 def launch(kernel, grid: tuple, args: tuple, meta: dict, kept: Kept) -> None:
     """`kernel[grid](*args, **meta)`, through the compiled kernel `kept` holds for these arguments when there is
     one."""
-    global _triton
-    if _triton is None:
-        from triton import knobs
-        from triton.runtime import driver
-        _triton = (driver, knobs)
-    driver, knobs = _triton
+    driver, knobs = _triton_runtime()
     device = driver.active.get_current_device()
     key = (device, specialization([args[i] for i in kept.varying]))
     entry = kept.compiled.get(key)

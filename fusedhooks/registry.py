@@ -63,8 +63,8 @@ class Entry:
         return None if self.measured is None else Measurement(self.measured)
 
     def record(self, grad: torch.Tensor) -> None:
-        """The statistics row now describes `grad` as it is."""
-        self.measured = (weakref.ref(grad), grad._version, grad.data_ptr(), None)
+        """The statistics row now describes `grad` as it is (`record_all` of one)."""
+        record_all([self], [grad])
 
     def has_later_hooks(self, t: torch.Tensor) -> bool:
         """Does a post-accumulate hook registered after ours run on `t` (it must see the processed gradient)?"""
@@ -73,7 +73,8 @@ class Entry:
 
 
 def record_all(entries: list[Entry], grads: list[torch.Tensor]) -> None:
-    """`entry.record(grad)` for each pair (a bucket's), in one call."""
+    """The statistics row of each entry now describes its gradient as it is (a firing's: one gradient, or a
+    bucket's)."""
     for entry, grad in zip(entries, grads):
         entry.measured = (_ref(grad), grad._version, grad.data_ptr(), None)
 
