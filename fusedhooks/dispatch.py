@@ -210,7 +210,8 @@ class Dispatch:
         `firing(backward_key, [entry], [entry.row], [grad], [param])`."""
         plan = compiled.plan
         launch = runtime.single_launch(plan, compiled.kernel, self.scalars, self.workspace_for(grad))
-        return functools.partial(self.firing.run, plan, launch)
+        firing = self.firing
+        return functools.partial(type(firing).run, firing, plan, launch)  # a function, not a bound method: one call
 
     def check_distributed(self, entry: Entry, backward_key: int) -> None:
         """At the first firing on a gradient of this rank alone in a process group of several ranks: say once

@@ -51,7 +51,8 @@ class Firing:
 
         The launch writes the statistics into (buffer, written): (the buffer, row rows[0] of it), or (the buffer,
         the buffer) when whole, or (the partials row, the partials row) on a shard; after it, the rows are marked
-        as written by this backward (`HookStats.settle`; on a shard `mark_written`: merged into when it ends)."""
+        as written by this backward (`HookStats.mark_written`; a shard's partials are merged into them when the
+        backward ends)."""
         if self.scalars:
             self.check_scalars()
         stats, partial_row = self.stats, self.partial_row
@@ -67,10 +68,7 @@ class Firing:
         amp = self.amp_tensors(grads[0].device, backward_key, rows, grads) if plan.amp else None
         launch(grads, params, written, amp)
         if buffer is not None:
-            if partial_row is None:
-                stats.settle(buffer, rows)
-            else:
-                stats.mark_written(rows)
+            stats.mark_written(rows, buffer if partial_row is None else None)
         record_all(entries, grads)
 
 

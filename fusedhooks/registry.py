@@ -75,6 +75,10 @@ class Entry:
 def record_all(entries: list[Entry], grads: list[torch.Tensor]) -> None:
     """The statistics row of each entry now describes its gradient as it is (a firing's: one gradient, or a
     bucket's)."""
+    if len(entries) == 1:  # one gradient at its firing: no zip (about 0.15 µs of a 3 µs firing)
+        grad = grads[0]
+        entries[0].measured = (_ref(grad), grad._version, grad.data_ptr(), None)
+        return
     for entry, grad in zip(entries, grads):
         entry.measured = (_ref(grad), grad._version, grad.data_ptr(), None)
 

@@ -390,13 +390,23 @@ def single_launch(plan: Plan, module, scalars: list[torch.Tensor], workspace: Wo
             fire(plan, module, grads[0], params[0], scalars, stats_row, workspace, amp)
         return launch_any
     writes, bounds, itemsize = plan.graph.writes or plan.amp, workspace.bound, plan.graph.grad_dtype.itemsize
+    # the Bound of the last launch and its (numel, aligned): a gradient launches as the last one did, as a rule (a
+    # key built and hashed at each launch cost about 0.1 µs); only this thread launches into `workspace`
+    last_numel, last_aligned, last_bound = 0, False, None
 
     def launch_one(grads: list, params: list, stats_row: torch.Tensor | None, amp: tuple | None) -> None:
+        nonlocal last_numel, last_aligned, last_bound
         grad = grads[0]  # of the plan's dtype
         numel = grad.numel()
         bound = None
         if numel and grad.is_contiguous():
-            bound = bounds.get((module, numel, grad.data_ptr() % 16 == 0 and numel * itemsize % 16 == 0, None))
+            aligned = grad.data_ptr() % 16 == 0 and numel * itemsize % 16 == 0
+            if numel == last_numel and aligned is last_aligned:
+                bound = last_bound
+            else:
+                bound = bounds.get((module, numel, aligned, None))
+                if bound is not None:
+                    last_numel, last_aligned, last_bound = numel, aligned, bound
         if bound is None:  # not the common case, or not bound yet: `fire` binds it
             fire(plan, module, grad, params[0], scalars, stats_row, workspace, amp)
             return

@@ -165,7 +165,7 @@ class HookStats:
             raise ValueError(f"this hook records statistics on {self.buffer.device}; a parameter on {device} "
                              "needs a hook of its own")
         row = torch.full((1, len(self.slot_names)), math.nan, dtype=torch.float64, device=device)
-        with self._lock:  # a firing in another thread may be writing a row of the buffer now: see settle()
+        with self._lock:  # a firing in another thread may be writing a row of the buffer now: see mark_written()
             self._growing = True
             try:
                 buffer = row if self.buffer is None else torch.cat([self.buffer, row])
@@ -222,12 +222,12 @@ class HookStats:
         return self._written[index] > 0
 
     def row(self, index: int) -> torch.Tensor:
-        """Row `index` of the buffer (a view, cached); not marked as written (see `settle`, `mark_written`)."""
+        """Row `index` of the buffer (a view, cached); not marked as written (see `mark_written`)."""
         return self.writable_row(index)[1]
 
     def writable_row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the buffer, its row `index`) for a kernel to write into; once written, `settle(buffer, index)` marks
-        it as written by the current backward (a firing that raises before leaves the row's marks as they were:
+        """(the buffer, its row `index`) for a kernel to write into; once written, `mark_written([index], buffer)`
+        marks it as written by the current backward (a firing that raises before leaves the row's marks as they were:
         never fresh with older values)."""
         buffer, views = self._state
         row = views.get(index)
@@ -235,26 +235,23 @@ class HookStats:
             row = views[index] = buffer[index]
         return buffer, row
 
-    def settle(self, buffer: torch.Tensor, rows: list[int]) -> None:
-        """Rows `rows` of `buffer` (from `writable_row` or `tensor`) were just written: mark them as written by the
-        current backward, and if another thread's registration replaced the buffer meanwhile (add_row copies it as
-        it is then), copy them into the new one."""
-        self.mark_written(rows)
-        if self._growing or buffer is not self._state[0]:
+    def mark_written(self, rows: list[int], buffer: torch.Tensor | None = None) -> None:
+        """Rows `rows` were just written by a firing of the current backward: mark them so. buffer: what the firing
+        wrote them into (from `writable_row`, or `tensor` through a bucket's table): if another thread's registration
+        replaced it meanwhile (add_row copies the buffer as it is then), they are copied into the new one; None when
+        they were written elsewhere (a shard's partials, merged into them when the backward ends)."""
+        written, backward = self._written, self._backwards.number
+        for index in rows:
+            written[index] = backward
+        if self._traced is not None:
+            generations, epoch = self._traced
+            for index in rows:
+                generations[index] = epoch
+        if buffer is not None and (self._growing or buffer is not self._state[0]):
             with self._lock:
                 current = self._state[0]
                 if buffer is not current:
                     current[rows] = buffer[rows]
-
-    def mark_written(self, indices: list[int]) -> None:
-        """Rows `indices` are written by the current backward (a bucket's kernels write them through its table)."""
-        written, backward = self._written, self._backwards.number
-        for index in indices:
-            written[index] = backward
-        if self._traced is not None:
-            generations, epoch = self._traced
-            for index in indices:
-                generations[index] = epoch
 
     def read(self) -> StatsReading:
         """{parameter name: {statistic: value}} for every parameter that fired; one device-to-host copy.

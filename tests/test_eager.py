@@ -218,3 +218,29 @@ def test_a_large_gradient_runs_the_eager_hooks_ops_whole_with_the_same_bits(cont
     p = fire(hook, grad, param)
     assert torch.equal(p.grad, expected)
     assert hook.stats.read()["p"]["max"] == expected.max().item()
+
+
+def test_the_single_launch_follows_each_gradients_size_and_alignment(monkeypatch):
+    """`runtime.single_launch` keeps the last Bound it launched: gradients of other sizes and alignments, fired one
+    after another through one lean firing, each launch with their own (numel, ALIGNED) and are processed whole."""
+    hook = fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0), stats=("sum",), backend="triton")
+    p, q = torch.nn.Parameter(torch.zeros(4100)), torch.nn.Parameter(torch.zeros(84))  # 16-byte multiples
+    hook.register([("p", p), ("q", q)])
+    launched, launch = [], runtime.launch
+    monkeypatch.setattr(runtime, "launch", lambda kernel, grid, args, meta, fast=None: (
+        launched.append((grid, meta["ALIGNED"])), launch(kernel, grid, args, meta, fast)))
+    storage = torch.empty(4101)
+    grads = {"aligned": lambda: torch.randn(4100) * 2, "unaligned": lambda: storage[1:].copy_(torch.randn(4100) * 2)}
+    block = runtime.block_size(None, torch.device("cpu"))
+    for tensor, kind in [(p, "aligned"), (q, "aligned"), (p, "unaligned"), (p, "unaligned"), (p, "aligned"),
+                         (q, "aligned")]:
+        grad = grads[kind]() if tensor is p else torch.randn(84) * 2
+        tensor.grad = grad
+        expected = grad.clamp(-1.0, 1.0)
+        del launched[:]
+        hook(tensor)
+        assert tensor.grad is grad and torch.equal(grad, expected)
+        assert hook.stats.read()["p" if tensor is p else "q"]["sum"] == pytest.approx(expected.double().sum().item())
+        assert {hint for _, hint in launched} == {kind == "aligned"}, (kind, launched)
+        assert launched[0][0] == (-(-tensor.numel() // block),)
+    assert len(hook.dispatch.lean_firings) == 1
