@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch.compiler import is_compiling as _is_compiling
+from torch.compiler import is_dynamo_compiling as _is_compiling  # checked at every firing (see ops)
 
 from . import runtime
 from .layout import flat_span, is_dtensor

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from torch.compiler import is_compiling as _is_compiling  # bound once: checked at every firing
+from torch.compiler import is_dynamo_compiling as _is_compiling  # checked at every firing (see ops)
 
 from . import distributed, runtime
 from .layout import is_dtensor

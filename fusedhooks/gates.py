@@ -134,7 +134,7 @@ def gated(fire, when, outside_graph, paused=None):
             fire(param)
 
     def hook(param: torch.Tensor) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():  # see ops
             outside_graph(run, param)
         else:
             run(param)

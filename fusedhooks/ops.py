@@ -2,12 +2,16 @@
 
 Under `torch.compile`, compiled autograd traces a post-accumulate hook's Python into the backward graph;
 fusedhooks' firing path (registries, weak references, caches, the GradScaler's books) is not something
-dynamo should trace. So a hook called while `torch.compiler.is_compiling()` only calls one operator,
+dynamo should trace. So a hook called while `torch.compiler.is_dynamo_compiling()` only calls one operator,
 `torch.ops.fusedhooks.fire`, whose arguments name what the firing touches:
 
 - `grad` (written in place by the body), `stats` (the hook's statistics buffer, one row written) and
   `found_inf` (AMP's flag, when the hook has one on that device yet) are declared mutated;
 - `param` and the body's closed-over scalars are read.
+
+(The hooks ask `is_dynamo_compiling()` at every firing, not `is_compiling()`: one Python call against two.
+`is_compiling()` is also true in a non-strict export and while dynamo compiles code it does not trace, where no
+backward runs a hook.)
 
 Its real implementation runs the ordinary eager firing (`GradHook.fire`, also for a hook registered with
 `bucket_mb=N`: under compile each gradient is processed at its own firing), so there is one implementation
