@@ -22,119 +22,10 @@ from .registration import Registration, check_dtype
 from .registry import Entry, RegistrationHandle, Registry
 from .stats import HookStats
 from .trace import CompileError, TracedBody, lower, trace
+from .traced import TracedFiring
 
 # read at every call of a hook: bound once
 _graph_task_id, _grad_enabled = torch._C._current_graph_task_id, torch.is_grad_enabled
-
-
-def _fire_compiling(hook: GradHook, param: torch.Tensor) -> None:
-    """What a hook does when called while torch.compile traces it, for each gradient at its own firing (a hook
-    registered with bucket_mb= too: see docs/compile.md).
-
-    In a backward that compiled autograd traces: one call of fusedhooks::firing (see ops.py), the firing as a
-    function of tensors, with the parameter's row looked up now (the lookup is guarded: a new registration
-    recompiles). Otherwise (a hook frame torch.compile compiles on its own, a parameter registered through torch
-    directly at its first firing, a process group of several ranks) one call of fusedhooks::fire, which runs the
-    eager firing."""
-    from . import ops
-
-    grad = param.grad
-    if grad is None:
-        return
-    if hook.dispatch.records(grad, param):  # backward(create_graph=True): the body must run as ops autograd records
-        ops.outside_graph(hook.dispatch.fire_unless_paused, param)
-        return
-    entry = hook.registry.get_live(param)
-    if entry is not None and grad.layout == torch.strided:
-        traced = _traced_firing(hook.op_key, grad.device)
-        if traced is not None:
-            if hook.is_paused:
-                return
-            books = hook.stats.traced or (None, None)
-            amp_books = hook.amp.traced.get(grad.device, (None, None)) if hook.amp is not None else (None, None)
-            torch.ops.fusedhooks.firing(grad, param, hook.stats.buffer if books[0] is not None else None, *books,
-                                        hook.scaler._scale if amp_books[0] is not None else None, *amp_books,
-                                        list(hook._body.scalars), hook.op_key, entry.row, traced)
-            return
-    stats = hook.stats.buffer if hook.stats.slot_names else None
-    found_inf = hook.amp.found_inf.get(grad.device) if hook.amp is not None else None
-    torch.ops.fusedhooks.fire(grad, param, stats, found_inf, list(hook._body.scalars), hook.op_key)
-
-
-def _fire_in_op(hook: GradHook, param: torch.Tensor, grad: torch.Tensor
-                ) -> tuple[torch.Tensor | None, dict[torch.device, torch.Tensor]] | None:
-    """The implementation of fusedhooks::fire (ops.py): fire `hook` on `grad`, `param`'s gradient, unless it is
-    paused (None); else the tensors the firing writes: (the statistics buffer, found_inf by device)."""
-    if hook.is_paused:
-        return None
-    hook.dispatch.fire(param, hook.registry.get(param), grad=grad)
-    return hook.stats.buffer, hook.amp.found_inf if hook.amp is not None else {}
-
-
-optable.implement("fire", _fire_in_op)
-
-
-#: compiled autograd's graph id -> (dynamo frame id, the tracer) of the traced firing that numbers the backward, by
-#: hook key (see `_traced_firing`)
-_numbering_firings: dict[tuple[int, int, torch.device], tuple[int | None, weakref.ref]] = {}
-
-
-def _traced_firing(hook_key: int, device: torch.device) -> bool | None:
-    """Called while dynamo traces a firing of the hook `hook_key` on a gradient on `device` (a constant of the graph):
-    None when the firing is not part of a backward that compiled autograd traces (fusedhooks::fire runs it), or when
-    a process group of several ranks runs (the eager firing's distributed checks apply); else whether this firing
-    numbers the backward on `device` (increments the hook's device epoch; with scaler=, zeroes found_inf and counts
-    the backward): the first firing of the hook on `device` traced in compiled autograd's graph. A graph break splits
-    that graph into frames run in order: the first frame holding such a firing numbers it, also when dynamo traces
-    that frame again (a restart, a recompile). Makes the device books the firing writes, on first use."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-    from torch._guards import CompileContext
-
-    compile_id = CompileContext.current_compile_id()
-    if compile_id is None or compile_id.compiled_autograd_id is None:
-        return None
-    world = distributed.world_size()
-    if world is not None and world > 1:
-        return None
-    hook = optable.target(hook_key)
-    if hook.stats.slot_names:
-        hook.stats.traced_books()
-    if hook.amp is not None:
-        hook.amp.traced_books(device)
-    tracer = InstructionTranslator.current_tx().output
-    key = (compile_id.compiled_autograd_id, hook_key, device)
-    known = _numbering_firings.get(key)
-    if known is not None and (known[1]() is tracer or known[0] != compile_id.frame_id):
-        return False
-    if len(_numbering_firings) > 1024:
-        _numbering_firings.clear()
-    _numbering_firings[key] = (compile_id.frame_id, weakref.ref(tracer))
-    return True
-
-
-# what torch._dynamo.assume_constant_result does (dynamo calls it while tracing and keeps the result as a constant),
-# without importing torch._dynamo with fusedhooks
-_traced_firing._dynamo_marked_constant = True
-
-
-def _traced_plan(hook_key: int, row: int, grad: torch.Tensor) -> tuple[Plan, object]:
-    """The body of fusedhooks::firing while it is traced: the plan and kernels of the hook `hook_key` for `grad` (a
-    fake or functional tensor of the gradient's dtype, device and shape), the gradient's shape checked against the
-    body (for row `row`'s parameter) and the closed-over tensors checked, as the eager firing checks them."""
-    hook = optable.target(hook_key)
-    if hook is None:
-        raise RuntimeError("fusedhooks::firing: the hook it was traced with no longer exists")
-    hook.check_shape(hook.stats.names[row], grad)
-    if hook.scalars:
-        hook.check_scalars()
-    compiled = hook.compilation.compiled_for(grad)
-    if compiled.plan.amp:
-        hook.amp.check_scale()
-        hook.amp.check_covers_optimizer()
-    return compiled.plan, compiled.kernel
-
-
-optable.implement("traced_plan", _traced_plan)
 
 
 #: the shape a body is first lowered for, at decoration
@@ -239,7 +130,8 @@ class GradHook:
             amp.install()    # not look current after it
         self.stats = HookStats(self.stat_names, self.input_stat_names, self.hist_range)
         self.registry = Registry(self.stats)
-        #: what a traced call of a fusedhooks operator names this hook by (see ops.py, optable.py)
+        #: what a traced call of fusedhooks::clip_grad_norm_ names this hook by (see ops.py, optable.py); the firing
+        #: operators name `traced` by its own key
         self.op_key = optable.add(self)
         if fn is not None:
             functools.update_wrapper(self, fn, updated=())
@@ -272,6 +164,9 @@ class GradHook:
         #: the eager firing, one gradient at a time (`fire`, `process`; see dispatch.py), and the pause flag
         self.dispatch = Dispatch(self.registry, self.registration.add_at_firing, self.compilation, self.workspaces,
                                  self.firing, self._shards, self._buckets.process_at_firing)
+        #: the firing while torch.compile traces a torch hook, and what the fusedhooks operators call (traced.py)
+        self.traced = TracedFiring(self.dispatch, self.registry, self.stats, self.amp, self.compilation,
+                                   self._body.scalars, self._body.check_scalars)
 
     # --- calling ----------------------------------------------------------------------------------
 
@@ -279,7 +174,7 @@ class GradHook:
         if isinstance(arg, torch.Tensor):
             dispatch = self.dispatch
             if _is_compiling():
-                _fire_compiling(self, arg)
+                self.traced.fire_compiling(arg)
             elif dispatch.is_paused:
                 pass
             elif (_grad_enabled() and _graph_task_id() == -1
@@ -398,10 +293,11 @@ class GradHook:
         pause flag read without a Python call), and the firing while torch.compile traces, which holds the hook. Made
         for each registration and held by what torch holds for it (the tensors' torch hooks, ...), never by the hook's
         parts, so that a registration keeps the hook alive as torch keeps an eager hook, without a reference cycle."""
-        dispatch, hook = self.dispatch, self
+        dispatch, traced = self.dispatch, self.traced
 
-        def fire_compiling(param: torch.Tensor) -> None:  # a function, not a partial: dynamo guards it in fewer checks
-            _fire_compiling(hook, param)
+        # a function, not a partial: dynamo guards it in fewer checks; `hook` keeps the hook alive (never read)
+        def fire_compiling(param: torch.Tensor, hook: GradHook = self) -> None:
+            traced.fire_compiling(param)
         return FiringCalls(fire=dispatch.fire, fire_compiling=fire_compiling, process=dispatch.process,
                            check_distributed=dispatch.check_distributed,
                            is_paused=functools.partial(getattr, dispatch, "is_paused"),

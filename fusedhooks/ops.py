@@ -13,7 +13,7 @@ dynamo should trace. So a hook called while `torch.compiler.is_dynamo_compiling(
 `is_compiling()` is also true in a non-strict export and while dynamo compiles code it does not trace, where no
 backward runs a hook.)
 
-Its real implementation runs the ordinary eager firing (`GradHook.fire`, also for a hook registered with
+Its real implementation runs the ordinary eager firing (`Dispatch.fire`, also for a hook registered with
 `bucket_mb=N`: under compile each gradient is processed at its own firing), so there is one implementation
 of a firing, not two; its fake implementation returns nothing. The compiler sees an opaque call with
 accurate side effects and no graph break. A gradient that requires grad (`create_graph=True`) is fired
@@ -25,7 +25,7 @@ gathers their `.grad` tensors (declared mutated: they are scaled in place); the 
 read; the real implementation is the eager `clip_grad_norm_` (so the Triton interpreter or the Triton launch is
 never traced), the fake one returns a 0-dim tensor of the total norm's dtype and device.
 
-The calls into the modules above (api.py, clip.py) go through `optable`, where they enter their implementations:
+The calls into the modules above (traced.py, clip.py) go through `optable`, where they enter their implementations:
 this module imports none of them. It is imported only when a hook fires, or clip_grad_norm_ runs, under compile
 (importing fusedhooks imports neither it nor triton).
 """
@@ -48,9 +48,10 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 @torch.library.custom_op("fusedhooks::fire", mutates_args=("grad", "stats", "found_inf"), tags=_TAGS)
 def fire(grad: torch.Tensor, param: torch.Tensor, stats: torch.Tensor | None, found_inf: torch.Tensor | None,
          scalars: list[torch.Tensor], hook_key: int) -> None:
-    """One firing of the hook `optable.target(hook_key)` on `param`'s gradient `grad`: the eager path
-    (`optable.implementation("fire")`, `GradHook.fire`). `grad` is processed as given: compiled autograd passes
-    the accumulated gradient before it sets `param.grad` to it on a parameter's first backward."""
+    """One firing of the hook whose `traced.TracedFiring` is `optable.target(hook_key)` on `param`'s gradient `grad`:
+    the eager path (`optable.implementation("fire")`, `TracedFiring.fire_in_op`). `grad` is processed as given:
+    compiled autograd passes the accumulated gradient before it sets `param.grad` to it on a parameter's first
+    backward."""
     hook = optable.target(hook_key)
     if hook is None:
         return
@@ -79,10 +80,11 @@ def firing(grad: torch.Tensor, param: torch.Tensor, stats: torch.Tensor | None, 
            epoch: torch.Tensor | None, scale: torch.Tensor | None, found_inf: torch.Tensor | None,
            unscaled_backwards: torch.Tensor | None, scalars: list[torch.Tensor], hook_key: int, row: int,
            bump: bool) -> None:
-    """One firing of the hook `optable.target(hook_key)` on `param`'s gradient `grad` as a function of tensors: the
-    body applied to `grad` in place, the statistics written into row `row` of `stats` ([parameters, slots] float64,
-    None: the hook records none) and the backward's number into `generations[row]` (int64 [parameters]), `epoch`
-    (int64, 0-dim) first incremented when `bump` (the first firing of the hook in a traced backward on this device).
+    """One firing of the hook whose `traced.TracedFiring` is `optable.target(hook_key)` on `param`'s gradient `grad`
+    as a function of tensors: the body applied to `grad` in place, the statistics written into row `row` of `stats`
+    ([parameters, slots] float64, None: the hook records none) and the backward's number into `generations[row]`
+    (int64 [parameters]), `epoch` (int64, 0-dim) first incremented when `bump` (the first firing of the hook in a
+    traced backward on this device).
     With scaler=: `grad` unscaled by GradScaler's `scale` first, NaN/Inf found added to `found_inf` (float32, 0-dim),
     which `bump` zeroes first, counting the backward in `unscaled_backwards` (int64, 0-dim: see amp.traced_books).
 

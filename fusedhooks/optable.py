@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable
 
 _keys = itertools.count(1)
-#: key -> the object a traced operator call names (a GradHook), held weakly
+#: key -> the object a traced operator call names (a hook's traced.TracedFiring, a GradHook), held weakly
 _targets: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 #: operator name ("fire", "clip_grad_norm_") -> its eager implementation, `fn(target, ...)`
 _implementations: dict[str, Callable] = {}

@@ -195,11 +195,12 @@ ABOVE_THE_FACADE = {"fusedhooks", "fusedhooks.api", "fusedhooks.adaptive", "fuse
 BELOW_THE_FACADE = sorted(n for n in MODULES
                           if n not in ABOVE_THE_FACADE and not n.startswith("fusedhooks.integrations"))
 
-#: The path of a gradient, top down (DESIGN.md, Architecture): the facade, registration (tensors, modules, DDP,
-#: FSDP2), the eager firing's dispatch (one gradient at a time), buckets, the firing, the registry and the
+#: The path of a gradient, top down (DESIGN.md, Architecture): the facade, the firing while torch.compile traces a
+#: hook (traced), registration (tensors, modules, DDP, FSDP2), the eager firing's dispatch (one gradient at a time), buckets, the firing, the registry and the
 #: statistics. A module imports none above it (at run time).
-LAYERS = ["fusedhooks.api", "fusedhooks.registration", "fusedhooks.dispatch", "fusedhooks.distributed",
-          "fusedhooks.buckets", "fusedhooks.firing", "fusedhooks.registry", "fusedhooks.stats"]
+LAYERS = ["fusedhooks.api", "fusedhooks.traced", "fusedhooks.registration", "fusedhooks.dispatch",
+          "fusedhooks.distributed", "fusedhooks.buckets", "fusedhooks.firing", "fusedhooks.registry",
+          "fusedhooks.stats"]
 
 
 def _names_the_hook(path: pathlib.Path) -> list[str]:
@@ -287,9 +288,10 @@ def test_holder_finder():
 
 
 def test_the_rooms_below_hold_no_hook():
-    """The hook's parts (its registration, dispatch, buckets and shard statistics) hold no GradHook, not even after a
-    backward through buckets, a torch hook at its own firing and a tensor registered through torch directly, and a
-    call by hand: what torch holds (the torch hooks) keeps the hook alive instead, as it keeps an eager hook."""
+    """The hook's parts (its registration, dispatch, buckets, shard statistics and traced firing) hold no GradHook,
+    not even after a backward through buckets, a torch hook at its own firing and a tensor registered through torch
+    directly, and a call by hand: what torch holds (the torch hooks) keeps the hook alive instead, as it keeps an
+    eager hook."""
     import gc
 
     import torch
@@ -309,7 +311,7 @@ def test_the_rooms_below_hold_no_hook():
         hook(direct)
         assert len(hook.registry) == 6 and bool(hook.dispatch.lean_firings) == (backend == "eager")
         parts = {"hook.registration": hook.registration, "hook.dispatch": hook.dispatch,
-                 "hook._buckets": hook._buckets, "hook._shards": hook._shards}
+                 "hook._buckets": hook._buckets, "hook._shards": hook._shards, "hook.traced": hook.traced}
         assert not _holders_of(parts, fh.GradHook)
         calls = hook.firing_calls()
         assert isinstance(calls, FiringCalls) and not any(isinstance(v, fh.GradHook) for v in vars(calls).values())
@@ -331,9 +333,27 @@ def test_the_rooms_below_hold_no_hook():
                     model(direct).sum().backward()
                 hook(direct)
             ref = weakref.ref(hook)
-            del hook
-            assert ref() is not None  # the torch hooks on model's parameters hold it
-            del model, direct
+            del hook, direct
+            assert ref() is not None  # the torch hooks register() put on model's parameters hold it
+            del model
             assert ref() is None, f"a hook that {'fired' if fired else 'did not fire'} ({backend}) outlives its tensors"
+        finally:
+            gc.enable()
+
+    # a registration of tensors alone (no module: no forward pre-hook holds its handle) keeps the hook alive through
+    # the tensors' torch hooks
+    for bucket_mb in (None, 25):
+        gc.disable()
+        try:
+            hook = fh.grad_hook(lambda g: g * 0.5, stats=("norm",))
+            tensors = [torch.ones(3, requires_grad=True) for _ in range(2)]
+            hook.register(tensors, bucket_mb=bucket_mb)
+            ref = weakref.ref(hook)
+            del hook
+            assert ref() is not None
+            (tensors[0] * tensors[1]).sum().backward()
+            assert torch.equal(tensors[0].grad, torch.full((3,), 0.5))
+            del tensors
+            assert ref() is None
         finally:
             gc.enable()
