@@ -10,7 +10,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.compiler import is_dynamo_compiling as _is_compiling  # checked at every firing (see ops)
+from torch.compiler import is_compiling as _is_compiling  # a call by hand may be traced by an export too (see ops)
 
 from . import amp, codegen, config, dims, distributed, eager, firing, optable, runtime
 from .buckets import Buckets, FiringCalls

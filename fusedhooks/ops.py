@@ -9,9 +9,9 @@ dynamo should trace. So a hook called while `torch.compiler.is_dynamo_compiling(
   `found_inf` (AMP's flag, when the hook has one on that device yet) are declared mutated;
 - `param` and the body's closed-over scalars are read.
 
-(The hooks ask `is_dynamo_compiling()` at every firing, not `is_compiling()`: one Python call against two.
+(The torch hooks ask `is_dynamo_compiling()` at every firing, not `is_compiling()`: one Python call against two.
 `is_compiling()` is also true in a non-strict export and while dynamo compiles code it does not trace, where no
-backward runs a hook.)
+backward runs, so no torch hook. A hook called by hand, `hook(param)`, may be: it asks `is_compiling()`.)
 
 Its real implementation runs the ordinary eager firing (`Dispatch.fire`, also for a hook registered with
 `bucket_mb=N`: under compile each gradient is processed at its own firing), so there is one implementation
