@@ -52,10 +52,10 @@ def fire(grad: torch.Tensor, param: torch.Tensor, stats: torch.Tensor | None, fo
     the eager path (`optable.implementation("fire")`, `TracedFiring.fire_in_op`). `grad` is processed as given:
     compiled autograd passes the accumulated gradient before it sets `param.grad` to it on a parameter's first
     backward."""
-    hook = optable.target(hook_key)
-    if hook is None:
+    traced = optable.target(hook_key)
+    if traced is None:
         return
-    written = optable.implementation("fire")(hook, param, grad)
+    written = optable.implementation("fire")(traced, param, grad)
     if written is None:  # the hook is paused
         return
     # aot_autograd may functionalize the op: call it on copies of the mutated tensors, then copy them back.
