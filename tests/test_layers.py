@@ -196,8 +196,8 @@ BELOW_THE_FACADE = sorted(n for n in MODULES
                           if n not in ABOVE_THE_FACADE and not n.startswith("fusedhooks.integrations"))
 
 #: The path of a gradient, top down (DESIGN.md, Architecture): the facade, the firing while torch.compile traces a
-#: hook (traced), registration (tensors, modules, DDP, FSDP2), the eager firing's dispatch (one gradient at a time), buckets, the firing, the registry and the
-#: statistics. A module imports none above it (at run time).
+#: hook (traced), registration (tensors, modules, DDP, FSDP2), the eager firing's dispatch (one gradient at a
+#: time), buckets, the firing, the registry and the statistics. A module imports none above it (at run time).
 LAYERS = ["fusedhooks.api", "fusedhooks.traced", "fusedhooks.registration", "fusedhooks.dispatch",
           "fusedhooks.distributed", "fusedhooks.buckets", "fusedhooks.firing", "fusedhooks.registry",
           "fusedhooks.stats"]
