@@ -226,6 +226,7 @@ def test_the_single_launch_follows_each_gradients_size_and_alignment(monkeypatch
     hook = fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0), stats=("sum",), backend="triton")
     p, q = torch.nn.Parameter(torch.zeros(4100)), torch.nn.Parameter(torch.zeros(84))  # 16-byte multiples
     hook.register([("p", p), ("q", q)])
+    torch.manual_seed(0)
     launched, launch = [], runtime.launch
     monkeypatch.setattr(runtime, "launch", lambda kernel, grid, args, meta, fast=None: (
         launched.append((grid, meta["ALIGNED"])), launch(kernel, grid, args, meta, fast)))
@@ -240,7 +241,9 @@ def test_the_single_launch_follows_each_gradients_size_and_alignment(monkeypatch
         del launched[:]
         hook(tensor)
         assert tensor.grad is grad and torch.equal(grad, expected)
-        assert hook.stats.read()["p" if tensor is p else "q"]["sum"] == pytest.approx(expected.double().sum().item())
+        expected64 = expected.double()  # the kernel sums in another order: within DESIGN's 1e-5 of the magnitude
+        got = hook.stats.read()["p" if tensor is p else "q"]["sum"]
+        assert abs(got - expected64.sum().item()) <= 1e-5 * expected64.abs().sum().item()
         assert {hint for _, hint in launched} == {kind == "aligned"}, (kind, launched)
         assert launched[0][0] == (-(-tensor.numel() // block),)
     assert len(hook.dispatch.lean_firings) == 1
