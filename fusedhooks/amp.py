@@ -31,6 +31,13 @@ ACCUMULATED_MESSAGE = (
     "gradient accumulation, register the hook with accumulation_steps=n (or when=, or fire it under hook.paused() in "
     "the other micro-batches) so that it unscales the accumulated gradient once per optimizer step. After a dropped "
     "iteration, call scaler.update() or optimizer.zero_grad(set_to_none=True) first")
+#: What a gradient unscaled at an earlier firing of the same backward is refused with
+SAME_BACKWARD_MESSAGE = (
+    "fired twice on one gradient in the same backward, and its first firing unscaled a partial gradient to which the "
+    "backward then added scaled values: the parameter is used in several reentrant activation checkpoints (or "
+    "inside one and outside it, or in several nested backwards), whose backwards each fire its hook. Use "
+    "checkpoint(..., use_reentrant=False), which fires each hook once per backward, or leave scaler= out and call "
+    "scaler.unscale_(optimizer) after the backward (the hook then sees scaled gradients)")
 #: What scaler.unscale_(optimizer) is refused with when a hook with scaler= unscaled the gradients
 UNSCALED_MESSAGE = ("a hook with scaler= unscales the gradients itself: do not call scaler.unscale_(optimizer), and "
                     "call scaler.update() after scaler.step()")
@@ -182,15 +189,16 @@ def install() -> None:
 
 
 class BackwardBooks:
-    """What the firings of one backward found for a GradScaler: found_inf per device, written into the scaler's
+    """What the firings of one graph task found for a GradScaler: found_inf per device, written into the scaler's
     books (`_per_optimizer_states[id(optimizer)]`: stage UNSCALED, found_inf_per_device) only when the backward
-    ends normally. Queued as that backward's end-of-backward callback, which holds it: a backward that raises drops
-    it, and the books stay as they were, as torch's recipe never reaches `scaler.unscale_` in a failed iteration."""
+    ends normally: the outermost one, for a nested backward (`gates.at_end`, which holds it). A backward that raises
+    drops it, and the books stay as they were, as torch's recipe never reaches `scaler.unscale_` in a failed
+    iteration. `task`: its graph task (gates.GraphTask)."""
 
-    __slots__ = ("state", "found", "unscaled", "__weakref__")
+    __slots__ = ("state", "task", "found", "unscaled", "__weakref__")
 
-    def __init__(self, state: dict):
-        self.state = state
+    def __init__(self, state: dict, task: gates.GraphTask | None):
+        self.state, self.task = state, task
         self.found: dict[torch.device, torch.Tensor] = {}
         #: (hook key, statistics row) -> weak reference to the gradient tensor it unscaled
         self.unscaled: dict[tuple[int, int], weakref.ref] = {}
@@ -246,11 +254,13 @@ class HookAmp:
 
         scaler = self.scaler
         state = scaler._per_optimizer_states[id(self.optimizer)]
-        unscaled = [state.get("fusedhooks_unscaled") or {}]
-        unscaled += [b.unscaled for b in list(self._backwards.values()) if b.state is state]
+        unscaled = [(state.get("fusedhooks_unscaled") or {}, None)]
+        unscaled += [(b.unscaled, b.task) for b in list(self._backwards.values()) if b.state is state]
         for row, grad in zip(rows, grads):
-            if any((ref := done.get((self.key, row))) is not None and ref() is grad for done in unscaled):
-                raise RuntimeError(f"fusedhooks: {self.name} (scaler=) {ACCUMULATED_MESSAGE}")
+            for done, task in unscaled:
+                if (ref := done.get((self.key, row))) is not None and ref() is grad:
+                    message = SAME_BACKWARD_MESSAGE if gates.same_backward(task) else ACCUMULATED_MESSAGE
+                    raise RuntimeError(f"fusedhooks: {self.name} (scaler=) {message}")
         books = self._backwards.get(backward_key) if backward_key >= 0 else None
         if books is None or books.state is not state:
             if state["stage"] is OptState.READY:
@@ -260,8 +270,8 @@ class HookAmp:
                 raise RuntimeError(UNSCALED_MESSAGE)
             books = None
             if gates.callbacks_run(backward_key):
-                books = self._backwards[backward_key] = BackwardBooks(state)
-                torch.autograd.Variable._execution_engine.queue_callback(books)
+                books = self._backwards[backward_key] = BackwardBooks(state, gates.track(backward_key))
+                gates.at_end(backward_key, books)
         if books is None:  # outside a backward (or under compiled autograd): into the books now
             found = state["found_inf_per_device"].get(device)
             if found is None:

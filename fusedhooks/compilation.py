@@ -102,6 +102,10 @@ class HookCompilation:
             if s.device != device and not (device.type == "cpu" and s.device.type == "cpu"):
                 raise ValueError(f"{self.name}: closed-over tensor {i} is on {s.device} but the gradient is on "
                                  f"{device}; move it to {device} (the kernel reads it there, with no copy)")
+        if self.amp and dtype == torch.float16:
+            raise ValueError(f"{self.name}: scaler= unscales the gradients as GradScaler.unscale_ does, which refuses "
+                             "float16 gradients (torch: \"Attempting to unscale FP16 gradients.\"): keep the "
+                             "parameters in float32 and run the forward under torch.autocast, as the AMP recipe does")
         graph = self.graph(dtype, shape)
         backend = self.backend_for(device, graph)
         stats, input_stats = self.shard_stats if shard else self.stats

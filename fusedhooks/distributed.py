@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import runtime
+from . import gates, runtime
 from .firing import ShardFiring
 from .ir import STAT_NAMES
 from .layout import flat_span, is_dtensor
@@ -92,7 +92,10 @@ def register_ddp(registration: Registration, calls: FiringCalls, ddp, name: str 
     if getattr(ddp, "static_graph", False):
         raise ValueError("register(ddp_model) does not support DistributedDataParallel(static_graph=True) yet: on its "
                          "first iteration DDP reduces every bucket after backward, past the point where fusedhooks "
-                         "processes them; use static_graph=False")
+                         "processes them; use static_graph=False. Reentrant activation checkpointing, which DDP runs "
+                         "with static_graph=True, works with checkpoint(..., use_reentrant=False) and "
+                         "static_graph=False, or with the hook registered on ddp_model.module (each rank's own "
+                         "gradient, before DDP averages it)")
     pairs = [(n, p) for n, p in registration.named_targets(ddp.module, name) if p.requires_grad]
     registration.check_targets(pairs)
     ignored_names = set(getattr(ddp, "parameters_to_ignore", ()) or ())
@@ -338,11 +341,12 @@ def _merge_one(name: str, col) -> torch.Tensor:
 
 
 class _PendingMerge:
-    """The sharded parameters that fired in one backward, merged when it ends (held by that callback)."""
+    """The sharded parameters that fired in one backward, merged when it ends: the outermost backward, whose nested
+    ones (reentrant activation checkpointing) add their rows to it (`gates.at_end` holds it)."""
 
-    def __init__(self, shards: ShardStats, backward_key: int):
+    def __init__(self, shards: ShardStats, task: gates.GraphTask | None):
         self.shards = shards
-        self.backward_key = backward_key
+        self.task = task
         self.rows: dict[object, set[int]] = {}  # process group -> statistics rows
 
     def run(self) -> None:
@@ -396,8 +400,21 @@ class ShardStats:
         if backward_key < 0:  # called by hand: every rank calls it, and it merges now
             self.merge({group: {entry.row}})
             return
-        pending = _pending_for(self._running, self._lock, backward_key, lambda: _PendingMerge(self, backward_key))
+        pending = self._running.get(backward_key) or self._pending_merge(backward_key)
         pending.rows.setdefault(group, set()).add(entry.row)
+
+    def _pending_merge(self, backward_key: int) -> _PendingMerge:
+        """The merge pending for the backward `backward_key`, in a backward that fires here for the first time: that
+        of the backward it is nested in, or overlaps (one collective per backward), else a new one."""
+        with self._lock:
+            task = gates.track(backward_key)
+            pending = next((p for p in self._running.values() if p.task is not None and p.task.running()), None)
+            if pending is None:
+                pending = _PendingMerge(self, task)
+                if not gates.at_end(backward_key, pending.run):  # no backward the process follows: at its own end
+                    torch.autograd.Variable._execution_engine.queue_callback(pending.run)
+            self._running[backward_key] = pending
+            return pending
 
     def merge(self, rows_by_group: dict[object, set[int]]) -> None:
         """One all-gather of the partial rows per process group; every rank merges them into the same values."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import distributed, optable
+from . import distributed, gates, optable
 
 if TYPE_CHECKING:
     from .amp import HookAmp
@@ -133,6 +133,8 @@ def numbers_the_backward(key: int, device: torch.device) -> bool | None:
     if world is not None and world > 1:
         return None
     traced = optable.target(key)
+    if traced.stats.slot_names or traced.amp is not None:
+        gates.refuse_nested_compiled_backward()
     if traced.stats.slot_names:
         traced.stats.traced_books()
     if traced.amp is not None:

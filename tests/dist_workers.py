@@ -4,6 +4,7 @@ Each worker checks its rank's results against a plain-torch reference built on t
 copy of the model, gradients averaged with `dist.all_reduce`) and raises AssertionError on any difference.
 """
 
+import contextlib
 import copy
 import datetime
 import math
@@ -556,3 +557,90 @@ def zclip_distributed(rank: int, world: int, device) -> None:
                        torch.equal(g.nan_to_num(), state.nan_to_num()) for g in gathered), "state differs by rank"
             wrapped.zero_grad()
             ref.zero_grad()
+
+
+class _CheckpointedLast(torch.nn.Module):
+    """Two layers, the last under reentrant activation checkpointing: its nested backward fires before anything of
+    the outer one."""
+
+    def __init__(self, device):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.last = torch.nn.Linear(5, 6).to(device), torch.nn.Linear(6, 3).to(device)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda h: torch.tanh(self.last(h)), torch.tanh(self.first(x)), use_reentrant=True)
+
+
+def nested_backwards(rank: int, world: int, device) -> None:
+    """Reentrant activation checkpointing, a nested backward firing first, under DDP and FSDP2, two micro-batches per
+    step: register(ddp_model) (the synchronising micro-batch, no_sync() before it), a hook on the module DDP wraps
+    (static_graph=True, accumulation_steps=2: each rank's accumulated gradient, then DDP's average) and FSDP2
+    (accumulation_steps=2; merged once per backward) give eager's gradients, whole-parameter statistics and no stale
+    row; register(ddp_model) with static_graph=True is refused with the ways that work."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fusedhooks as fh
+
+    for case in ("ddp", "ddp-local", "fsdp2"):
+        model, ref = _CheckpointedLast(device), _CheckpointedLast(device)
+        hook = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP), stats=("norm", "absmax", "sum"))
+        merges = []
+        if case == "fsdp2":
+            fully_shard(model.first)
+            fully_shard(model.last)
+            fully_shard(model)
+            hook.register(model, accumulation_steps=2)
+            run = model
+            merge = type(hook._shards).merge
+            hook._shards.merge = lambda rows, merge=merge, shards=hook._shards, merges=merges: (
+                merges.append(len(rows)), merge(shards, rows))
+        else:
+            run = torch.nn.parallel.DistributedDataParallel(model, static_graph=case == "ddp-local")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", fh.LocalGradientWarning)
+                if case == "ddp":
+                    hook.register(run)
+                else:
+                    hook.register(model, accumulation_steps=2)
+        names = [n for n, _ in ref.named_parameters()]
+        ref_run, processed, last = ref, {}, [False]
+        if case == "ddp-local":  # the yardstick: the same DDP, eager hooks clamping in the last micro-batch
+            ref_run = torch.nn.parallel.DistributedDataParallel(ref, static_graph=True)
+            for name, q in ref.named_parameters():
+                def eager_hook(q, name=name, last=last, processed=processed):
+                    if last[0]:
+                        q.grad.clamp_(-CLAMP, CLAMP)
+                        processed[name] = q.grad.clone()
+                q.register_post_accumulate_grad_hook(eager_hook)
+        for step in range(2):
+            merges.clear()
+            xs = [_batch(rank, step, k, 5, device).requires_grad_() for k in range(2)]
+            for k, x in enumerate(xs):
+                last[0] = k == 1
+                sync = run.no_sync() if case == "ddp" and k == 0 else contextlib.nullcontext()
+                with sync, warnings.catch_warnings():
+                    warnings.simplefilter("ignore", fh.LocalGradientWarning)
+                    _loss(run, x).backward()
+                _loss(ref_run, x).backward()
+            reading = hook.stats.read()
+            assert sorted(reading) == sorted(names) and not reading.stale, (case, step, reading.stale)
+            for (name, p), q in zip(model.named_parameters(), ref.named_parameters()):
+                local = q[1].grad
+                if case == "ddp-local":  # each rank's own accumulated gradient processed, before DDP reduces it
+                    assert torch.equal(p.grad, local), (case, step, name)
+                    check_stats(reading[name], processed[name], ("absmax", "norm", "sum"))
+                else:  # processed on the average
+                    expected = _averaged(local, world).clamp(-CLAMP, CLAMP)
+                    got = p.grad.full_tensor() if case == "fsdp2" else p.grad
+                    torch.testing.assert_close(got, expected, rtol=0, atol=1e-7, msg=f"{case} {step} {name}")
+                    check_stats(reading[name], got, ("absmax",))
+                    _close_stats(reading[name], got, ("norm", "sum"))
+            if case == "fsdp2":
+                assert merges == [1], f"one collective per backward that processes: {merges}"
+            model.zero_grad()
+            ref.zero_grad()
+    static = torch.nn.parallel.DistributedDataParallel(_CheckpointedLast(device), static_graph=True)
+    _raises(ValueError, "use_reentrant=False", lambda: fh.grad_hook(stats=("norm",)).register(static))

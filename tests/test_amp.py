@@ -84,7 +84,8 @@ def test_a_fused_optimizer_steps_as_with_torchs_unscale(name, backend):
         assert_same_values(s, e)
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("dtype", [d for d in FLOAT_DTYPES if d != torch.float16],
+                         ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("with_inf", [False, True])
 def test_unscale_matches_torch_and_sets_found_inf(dtype, with_inf, backend, monkeypatch):
     monkeypatch.setenv("FUSEDHOOKS_BLOCK", "128")
@@ -106,6 +107,29 @@ def test_unscale_matches_torch_and_sets_found_inf(dtype, with_inf, backend, monk
     found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")]
     assert found.item() == found_ref.item() == float(with_inf) and found.shape == found_ref.shape
     assert hook.plan(numel=1000, dtype=dtype).writes == 1             # unscaling writes even without a body
+
+
+def test_float16_gradients_are_refused_as_torch_refuses_them(backend):
+    """GradScaler.unscale_ refuses float16 gradients; scaler= refuses them too: at register, and at the firing of a
+    parameter converted to float16 after it."""
+    p = torch.zeros(8, dtype=torch.float16, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    p.grad = torch.ones(8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.unscale_(opt)                                          # torch's own refusal
+    hook = fh.grad_hook(lambda g: g.clamp(-1, 1), scaler=scaler, optimizer=opt, backend=backend)
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        hook.register(p)
+    assert hook.stats.names == []
+    layer = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    fh.grad_hook(lambda g: g.clamp(-1, 1), scaler=scaler, optimizer=opt, backend=backend).register(layer)
+    layer.half()
+    with pytest.raises(ValueError, match="scaler= unscales the gradients as GradScaler.unscale_ does"):
+        scaler.scale(layer(torch.randn(2, 4, dtype=torch.float16)).float().sum()).backward()
 
 
 def test_amp_misuse_is_refused():
@@ -269,7 +293,7 @@ def test_a_parameter_inside_and_after_a_reentrant_checkpoint_is_not_unscaled_twi
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     fh.grad_hook(scaler=scaler, optimizer=opt, backend=backend).register(layer)
     x = torch.randn(3, 4, requires_grad=True)
-    with pytest.raises(RuntimeError, match="already unscaled this gradient"):
+    with pytest.raises(RuntimeError, match="fired twice on one gradient in the same backward"):
         scaler.scale(layer(checkpoint(layer, x, use_reentrant=True)).sum()).backward()
 
 

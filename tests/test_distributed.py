@@ -139,3 +139,11 @@ def test_merged_shard_stats_non_finite(backend, special):
         whole[4 * k + 1, 2] = v
     got = _merged_stats(hook, whole, 3)
     check_stats(got | {k: int(got[k]) for k in ("count", "nan", "inf", "zeros")}, whole, ALL)
+
+
+@pytest.mark.slow
+def test_nested_backwards_under_ddp_and_fsdp2():
+    """Reentrant activation checkpointing whose nested backward fires first, under DDP (the averaged gradient; the
+    local one with static_graph=True and accumulation_steps=2) and FSDP2: eager's gradients, whole-parameter
+    statistics, no stale row (gloo, 2 ranks)."""
+    spawn(dist_workers.nested_backwards, 2)

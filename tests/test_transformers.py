@@ -33,8 +33,8 @@ def _model():
 
 
 def _train(tmp_path, max_grad_norm, accumulation, callbacks=(), samples=20, epochs=1, max_steps=5, log_every=1,
-           optim="sgd", learning_rate=1.0, **extra):
-    model = _model()
+           optim="sgd", learning_rate=1.0, model=None, **extra):
+    model = _model() if model is None else model
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=max_steps,
                              num_train_epochs=epochs, gradient_accumulation_steps=accumulation,
                              learning_rate=learning_rate, optim=optim, lr_scheduler_type="constant",
@@ -345,3 +345,52 @@ def test_deepspeed_is_refused(tmp_path):
     with pytest.raises(ValueError, match="does not support DeepSpeed"):
         callback.on_train_begin(args, None, None, model=_model())
     assert len(callback.hook.registry) == 0
+
+
+def test_reentrant_checkpointing_with_accumulation_equals_trainers_own(tmp_path):
+    """TrainingArguments(activation_checkpointing=True) with use_reentrant=True: each GPT2Block's parameters fire in
+    a nested backward of its own, which counts as part of the micro-batch's backward. The final LayerNorm is frozen, so
+    nothing of the outer backward fires before the last block's nested one (the head is tied to wte, which fires
+    last): the nested backwards first, then the embeddings in the outer one. With accumulation 2, every logged step
+    has every trainable parameter's statistics, those of the accumulated gradient (measured before the clip), and the
+    run equals Trainer's own max_grad_norm=1.0 (as test_clipping_equals_trainers_own)."""
+
+    def model():
+        model = _model()
+        model.transformer.ln_f.requires_grad_(False)
+        return model
+
+    checkpointing = {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": True}}
+    steps = 3
+    reference, reference_model = _train(tmp_path / "ref", 1.0, 2, max_steps=steps, model=model(), **checkpointing)
+    seen = {}
+
+    class Measure(TrainerCallback):  # before the callback's clip (callbacks run in order)
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            seen[state.global_step + 1] = {n: (p.grad.double().norm().item(), p.grad.double().sum().item())
+                                           for n, p in model.named_parameters() if p.requires_grad}
+
+    hook = fh.grad_hook(stats=("norm", "sum"))
+    callback = FusedHooksCallback(hook, max_grad_norm=1.0)
+    processed = record_processing(hook)
+    trainer, trained = _train(tmp_path / "fh", 0.0, 2, [Measure(), callback], max_steps=steps, model=model(),
+                              **checkpointing)
+    assert trained.transformer.h[0].gradient_checkpointing  # the blocks ran under checkpoint
+    names = [n for n, p in trained.named_parameters() if p.requires_grad]
+    assert "transformer.ln_f.weight" not in names and len(names) == 26
+    assert sorted(processed) == sorted(names * steps)  # once per optimizer step: the accumulated gradient
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    reference_logged = [e for e in reference.state.log_history if "loss" in e]
+    assert [e["step"] for e in logged] == [e["step"] for e in reference_logged] == [1, 2, 3]
+    rtol = torch_fp32_norm_rtol(p.numel() for p in trained.parameters() if p.requires_grad)
+    for entry, ref in zip(logged, reference_logged):
+        assert set(k for k in entry if k.startswith("grad/")) == \
+            {"grad/total_norm"} | {f"grad/{n}/{s}" for n in names for s in ("norm", "sum")}
+        assert entry["grad/total_norm"] == pytest.approx(ref["grad_norm"], rel=rtol, abs=0)
+        assert entry["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        for name, (norm, total) in seen[entry["step"]].items():
+            assert entry[f"grad/{name}/norm"] == pytest.approx(norm, rel=1e-5)
+            assert entry[f"grad/{name}/sum"] == pytest.approx(total, rel=1e-4, abs=1e-6 * norm)
+    for (name, p), q in zip(trained.named_parameters(), reference_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
+    assert callback._handle is None and len(hook.registry) == 0
