@@ -281,6 +281,43 @@ def shard_group(name: str, t: torch.Tensor):
     return t.device_mesh.get_group(shard_dims[0])
 
 
+def partial_dims(name: str, param: torch.Tensor, grad: torch.Tensor) -> list[int]:
+    """The mesh dimensions along which the DTensor `grad` (of `param`) is a partial sum: each rank holds a part of
+    the gradient whose sum over those ranks is the gradient (a norm layer under tensor parallelism's
+    SequenceParallel: the parameter is Replicate, its gradient Partial(sum) until torch reduces it, later). Refuses
+    partial reductions other than a sum, and a partial dimension along which the parameter is not replicated."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    dims = [i for i, p in enumerate(grad.placements) if isinstance(p, Partial)]
+    for i in dims:
+        op = grad.placements[i].reduce_op
+        if op != "sum" or not isinstance(param.placements[i], Replicate):
+            raise ValueError(f"{name}: its gradient is placed as {tuple(grad.placements)} and the parameter as "
+                             f"{tuple(param.placements)}; fusedhooks processes partial gradients that are a sum "
+                             "over ranks holding the whole parameter (Partial(sum) where the parameter is Replicate: "
+                             "it reduces them first). Register the hook on the other parameters, or make this "
+                             "gradient whole before the hook fires")
+    return dims
+
+
+def reduce_partial(grad: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """The sum over the ranks of mesh dimensions `dims` of the DTensor `grad`'s local tensors (a new plain tensor, the
+    same on every rank): one all-reduce per dimension, which torch would otherwise run later (when the optimizer or
+    clip_grad_norm_ reads the gradient). Every rank of those dimensions must call it."""
+    dist = _dist()
+    whole = grad._local_tensor.clone()
+    for i in dims:
+        dist.all_reduce(whole, group=grad.device_mesh.get_group(i))
+    return whole
+
+
+def holds_reduced(grad: torch.Tensor, dims: list[int]) -> bool:
+    """Does this rank hold the reduced gradient in a Partial(sum) DTensor `grad` (the first rank along every partial
+    dimension `dims`), the other ranks holding zeros: the sum over the ranks is then the value, exactly?"""
+    coordinate = grad.device_mesh.get_coordinate()
+    return all(coordinate[i] == 0 for i in dims)
+
+
 def shard_dim(t: torch.Tensor) -> int | None:
     """The tensor dim along which a DTensor is sharded (its Shard placement; see shard_group), None if none."""
     from torch.distributed.tensor import Shard
@@ -390,9 +427,20 @@ class ShardStats:
         local, local_param = grad._local_tensor, param._local_tensor
         compiled = compilation.compiled(local.dtype, local.device, shard=True, shape=tuple(local.shape))
         plan, workspace, scalars = compiled.plan, self.workspaces.workspace(local.device), compilation.scalars
+        partial = partial_dims(entry.name, param, grad)
 
         def launch(grads: list, params: list, partial_row: torch.Tensor | None, amp: tuple | None) -> None:
-            runtime.fire(plan, compiled.kernel, local, local_param, scalars, partial_row, workspace)
+            if not partial:
+                runtime.fire(plan, compiled.kernel, local, local_param, scalars, partial_row, workspace)
+                return
+            # a partial sum is never processed as the whole: reduced, processed identically on every rank, and held
+            # by the first rank of the partial dimensions (the others zero), so that torch's later sum is the result
+            whole = reduce_partial(grad, partial)
+            runtime.fire(plan, compiled.kernel, whole, local_param, scalars, partial_row, workspace)
+            if holds_reduced(grad, partial):
+                local.copy_(whole)
+            else:
+                local.zero_()
         firing = ShardFiring(self.stats, scalars, self.check_scalars, self._partial_row)
         firing.run(plan, launch, backward_key, [entry], [entry.row], [local], [local_param])
         if not plan.slots:
@@ -443,10 +491,13 @@ class ShardStats:
 
 
 def whole_norm(name: str, param: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The `norm_type` norm of a sharded parameter's whole gradient (float64, 0-dim): this rank's part, then one
-    all-reduce across the shards (every rank must call it). An empty shard contributes nothing."""
+    """The `norm_type` norm of a sharded parameter's whole gradient (float64, 0-dim): this rank's part (of a partial
+    gradient, reduced first: `reduce_partial`), then one all-reduce across the shards (every rank must call it). An
+    empty shard contributes nothing."""
     dist = _dist()
-    local = param.grad._local_tensor.detach().reshape(-1).double()
+    grad = param.grad
+    partial = partial_dims(name, param, grad)
+    local = (reduce_partial(grad, partial) if partial else grad._local_tensor).detach().reshape(-1).double()
     zero = torch.zeros((), dtype=torch.float64, device=local.device)
     if norm_type == math.inf:
         value, op = (local.abs().amax() if local.numel() else zero), dist.ReduceOp.MAX
@@ -508,8 +559,9 @@ class _FollowParameters:
             if self._replaced_around(mod):
                 raise RuntimeError(
                     f"{self.registration.hook_name} was registered on this {type(mod).__name__}'s parameters, which "
-                    "have been replaced since (by fully_shard applied to a module around it, or by assignment): the "
-                    "hook would never fire. Register the hook after fully_shard (or on the module given to "
+                    "have been replaced since (by tensor parallelism's parallelize_module, which makes them "
+                    "DTensors, by fully_shard applied to a module around it, or by assignment): the hook would never "
+                    "fire. Register the hook after parallelize_module and fully_shard (or on the module given to "
                     "fully_shard, whose registration follows it)")
             return
         registration, handle = self.registration, self.handle

@@ -644,3 +644,121 @@ def nested_backwards(rank: int, world: int, device) -> None:
             ref.zero_grad()
     static = torch.nn.parallel.DistributedDataParallel(_CheckpointedLast(device), static_graph=True)
     _raises(ValueError, "use_reentrant=False", lambda: fh.grad_hook(stats=("norm",)).register(static))
+
+
+def _tp_model(device) -> torch.nn.Module:
+    """torchtitan's layout in small: a LayerNorm under SequenceParallel (Replicate parameters, Partial(sum)
+    gradients), then a Colwise and a Rowwise projection."""
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(8), "up": torch.nn.Linear(8, 12),
+                                "down": torch.nn.Linear(12, 8)}).to(device)
+
+
+def _tp_forward(model, x):
+    return model["down"](torch.relu(model["up"](model["norm"](x))))
+
+
+def _term_magnitudes(ref: torch.nn.Module) -> dict:
+    """For each parameter of `_tp_model` `ref`, the sum of the magnitudes of the terms its gradient element sums over
+    the batch and the sequence (|d|^T |h| for a weight, sum |d| for a bias, with d the gradient of the layer's output
+    and h its input; the norm's normalized input for its weight), read from hooks on the last backward, float64:
+    two fp32 computations of the gradient that sum those terms in other orders differ by at most 2 gamma of that."""
+    seen = {}
+
+    def keep_input(module, args, out):
+        seen[module, "in"] = args[0].detach().double()
+
+    def keep_grad(module, grad_in, grad_out):
+        seen[module, "d"] = grad_out[0].detach().double()
+
+    for module in ref.values():
+        module.register_forward_hook(keep_input)
+        module.register_full_backward_hook(keep_grad)
+
+    def magnitudes() -> dict:
+        out = {}
+        for key, module in ref.items():
+            h, d = seen[module, "in"].flatten(0, -2).abs(), seen[module, "d"].flatten(0, -2).abs()
+            if key == "norm":
+                h = torch.nn.functional.layer_norm(seen[module, "in"], (8,)).flatten(0, -2).abs()
+                out[f"{key}.weight"] = (d * h).sum(0)
+            else:
+                out[f"{key}.weight"] = d.T @ h
+            out[f"{key}.bias"] = d.sum(0)
+        return out
+    return magnitudes
+
+
+def tensor_parallel(rank: int, world: int, device) -> None:
+    """Tensor parallelism with a SequenceParallel norm on `world` ranks: the norm's Partial(sum) gradients are reduced
+    before the body (never processed as the whole), the Colwise/Rowwise shards processed in place; processed
+    gradients, whole-parameter statistics (identical on every rank) and fh.clip_grad_norm_ equal the unsharded eager
+    oracle and torch's clip_grad_norm_, on the eager and triton backends. A Partial gradient other than a sum is
+    refused, naming the placement."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    import fusedhooks as fh
+
+    mesh = init_device_mesh(device.type, (world,))
+    for backend in ("eager", "triton"):
+        ref, model = _tp_model(device), _tp_model(device)
+        parallelize_module(model, mesh, {"norm": SequenceParallel(),
+                                         "up": ColwiseParallel(input_layouts=Shard(1)),
+                                         "down": RowwiseParallel(output_layouts=Shard(1))})
+        hook = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP), stats=STATS, backend=backend)
+        hook.register(model)
+        magnitudes = _term_magnitudes(ref)
+
+        def clamp_eagerly(q):
+            q.grad.clamp_(-CLAMP, CLAMP)
+
+        for q in ref.parameters():
+            q.register_post_accumulate_grad_hook(clamp_eagerly)
+        names = [n for n, _ in ref.named_parameters()]
+        for step in range(2):
+            x = torch.randn(2, 4 * world, 8, generator=torch.Generator().manual_seed(step)).to(device)
+            _tp_forward(model, x.chunk(world, dim=1)[rank]).square().sum().backward()  # this rank's sequence part
+            _tp_forward(ref, x).square().sum().backward()
+            assert isinstance(model["norm"].weight.grad, DTensor)
+            assert any(isinstance(p, Partial) for p in model["norm"].weight.grad.placements)
+            reading = hook.stats.read()
+            assert sorted(reading) == sorted(names) and not reading.stale
+            gathered = [None] * world
+            dist.all_gather_object(gathered, reading)
+            assert all(r == gathered[0] for r in gathered), "statistics differ between ranks"
+            params = dict(model.named_parameters())
+            # each element sums 2 x 4 * world terms, in another order here (per rank, then across ranks): within 2
+            # gamma_n of the terms' magnitudes, n their count and a few roundings more (silently wrong before: the
+            # norm's partial sums clamped and measured as if whole)
+            u = torch.finfo(torch.float32).eps / 2
+            n = 8 * world + 4
+            bounds = {name: 2 * n * u / (1 - n * u) * m for name, m in magnitudes().items()}
+            for name, q in ref.named_parameters():
+                got = params[name].grad.full_tensor()
+                error = (got.double() - q.grad.double()).abs()
+                assert (error <= bounds[name]).all(), (backend, step, name, (error - bounds[name]).max().item())
+                _close_stats(reading[name], q.grad, STATS)
+            grads = {n: p.grad.full_tensor().clone() for n, p in params.items()}
+            total = fh.clip_grad_norm_(hook, 0.02)
+            expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.02)
+            torch.testing.assert_close(total.to(expected.dtype), expected, rtol=1e-5, atol=0)
+            totals = [None] * world
+            dist.all_gather_object(totals, total.item())
+            assert all(t == totals[0] for t in totals), f"ranks clip by different totals: {totals}"
+            for name, q in ref.named_parameters():  # one more rounding each: the coefficient's product
+                got = params[name].grad.full_tensor()
+                error = (got.double() - q.grad.double()).abs()
+                assert (error <= bounds[name] + 4 * u * q.grad.double().abs()).all(), ("clipped", backend, name)
+                assert not torch.equal(got, grads[name]) or not grads[name].any()
+            model.zero_grad()
+            ref.zero_grad()
+    early = _tp_model(device)["up"]
+    fh.grad_hook(stats=("norm",)).register(early)  # before parallelize_module, which replaces the parameters
+    parallelize_module(early, mesh, ColwiseParallel())
+    _raises(RuntimeError, "replaced since (by tensor parallelism's parallelize_module",
+            lambda: early(torch.randn(2, 8, device=device)))
+    weight = model["norm"].weight
+    weight.grad = DTensor.from_local(torch.ones(8, device=device), mesh, [Partial("avg")])
+    _raises(ValueError, "placed as (Partial(avg),) and the parameter as (Replicate(),)", lambda: hook(weight))

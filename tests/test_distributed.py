@@ -147,3 +147,11 @@ def test_nested_backwards_under_ddp_and_fsdp2():
     local one with static_graph=True and accumulation_steps=2) and FSDP2: eager's gradients, whole-parameter
     statistics, no stale row (gloo, 2 ranks)."""
     spawn(dist_workers.nested_backwards, 2)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_a_sequence_parallel_norm():
+    """parallelize_module as torchtitan lays it out (SequenceParallel norm, Colwise, Rowwise) on 2 gloo ranks: the
+    norm's Partial(sum) gradients are reduced before the body; gradients, statistics and fh.clip_grad_norm_ equal the
+    unsharded eager oracle on every rank."""
+    spawn(dist_workers.tensor_parallel, 2)
