@@ -10,6 +10,7 @@ whatever order they fire in (docs/semantics.md, "What a backward is")."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import weakref
@@ -171,7 +172,7 @@ def refuse_nested_compiled_backward() -> None:
     stack, a backward started (torch.autograd.graph._engine_run_backward) from inside a running compiled autograd
     graph (compiled_autograd's runtime_wrapper). A frame that dynamo resumes inside the running graph (after a graph
     break) is traced there too, with no backward started in between: not refused."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     started = False
     while frame is not None:
         code = frame.f_code

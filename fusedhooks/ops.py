@@ -92,6 +92,9 @@ def firing(grad: torch.Tensor, param: torch.Tensor, stats: torch.Tensor | None, 
     generated Triton kernels through `wrap_triton`, on CPU the plan as torch ops) and no Python of fusedhooks runs
     when the graph runs; its Python runs while tracing only, where the plan for `grad`'s dtype, device and shape is
     looked up (`optable.implementation("traced_plan")`)."""
+    # compiled autograd with dynamic=True hands the two ints in as symbolic ints: specialized (they name a hook and
+    # a row, constants of the graph; a new registration recompiles anyway)
+    hook_key, row = int(hook_key), int(row)
     plan, module = optable.implementation("traced_plan")(hook_key, row, grad)
     if generations is not None and epoch is not None:
         if bump:

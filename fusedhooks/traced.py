@@ -41,12 +41,17 @@ class TracedFiring:
         self.dispatch, self.registry, self.stats, self.amp = dispatch, registry, stats, amp
         self.compilation, self.scalars, self.check_scalars = compilation, scalars, check_scalars
         self.key = optable.add(self)
+        self.key_name = str(self.key)  # what numbers_the_backward is handed: never a symbolic int (dynamic=True)
 
     def fire_compiling(self, param: torch.Tensor) -> None:
         """What a hook does when called while dynamo traces it, for each gradient at its own firing (a hook
-        registered with bucket_mb= too: see docs/compile.md): one call of fusedhooks::firing in a backward that
-        compiled autograd traces, else one call of fusedhooks::fire; a gradient autograd records the body on
-        (backward(create_graph=True)) is fired outside the graph."""
+        registered with bucket_mb= too: see docs/compile.md): in a backward that compiled autograd traces, one call
+        of fusedhooks::firing (fusedhooks::fire where the firing is not a function of tensors: a process group of
+        several ranks, a tensor registered through torch directly before its first firing); a gradient autograd
+        records the body on (backward(create_graph=True)) is fired outside the graph. A hook frame that dynamo
+        compiles on its own (a backward run inside a torch.compile'd function, compiled autograd off) is one call of
+        fusedhooks::fire (the eager firing), with nothing traced that differs between parameters: one compiled frame
+        serves them all (tracing the registry lookup there guarded each parameter's identity, one recompile each)."""
         from . import ops
 
         grad = param.grad
@@ -56,10 +61,10 @@ class TracedFiring:
         if dispatch.records(grad, param):  # the body must run as ops autograd records
             ops.outside_graph(dispatch.fire_unless_paused, param)
             return
-        entry = self.registry.get_live(param)
+        entry = self.registry.get_live(param) if compiled_autograd_traces() else None
         stats, amp = self.stats, self.amp
         if entry is not None and grad.layout == torch.strided:
-            numbers = numbers_the_backward(self.key, grad.device)
+            numbers = numbers_the_backward(self.key_name, grad.device)
             if numbers is not None:
                 if dispatch.is_paused:
                     return
@@ -115,7 +120,7 @@ optable.implement("traced_plan", _traced_plan)
 _numbering_firings: dict[tuple[int, int, torch.device], tuple[int | None, weakref.ref]] = {}
 
 
-def numbers_the_backward(key: int, device: torch.device) -> bool | None:
+def numbers_the_backward(key: str, device: torch.device) -> bool | None:
     """Called while dynamo traces a firing of the TracedFiring `key` on a gradient on `device` (a constant of the
     graph): None when the firing is not part of a backward that compiled autograd traces (fusedhooks::fire runs it),
     or when a process group of several ranks runs (the eager firing's distributed checks apply); else whether this
@@ -132,6 +137,7 @@ def numbers_the_backward(key: int, device: torch.device) -> bool | None:
     world = distributed.world_size()
     if world is not None and world > 1:
         return None
+    key = int(key)
     traced = optable.target(key)
     if traced.stats.slot_names or traced.amp is not None:
         gates.refuse_nested_compiled_backward()
@@ -150,6 +156,16 @@ def numbers_the_backward(key: int, device: torch.device) -> bool | None:
     return True
 
 
+def compiled_autograd_traces() -> bool:
+    """Called while dynamo traces a firing (a constant of the graph): is it part of a backward that compiled autograd
+    traces (else dynamo compiles the hook's frame on its own)?"""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return compile_id is not None and compile_id.compiled_autograd_id is not None
+
+
 # what torch._dynamo.assume_constant_result does (dynamo calls it while tracing and keeps the result as a constant),
 # without importing torch._dynamo with fusedhooks
 numbers_the_backward._dynamo_marked_constant = True
+compiled_autograd_traces._dynamo_marked_constant = True

@@ -49,3 +49,16 @@ def backend(request):
 @pytest.fixture
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches and counters cleared before and after the test (the compile tests count graphs)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()

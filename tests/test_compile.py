@@ -18,18 +18,12 @@ from torch._dynamo.utils import counters
 import fusedhooks as fh
 from fusedhooks.testing import python_calls
 
-from helpers import REDUCTION_RTOL, assert_close_to, torch_fp32_norm_rtol
+from helpers import REDUCTION_RTOL, assert_close_to, assert_same, assert_same_stats, torch_fp32_norm_rtol
 
 STATS = ("norm", "max", "nan", "std")
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.fixture(params=["triton", "eager"])
@@ -90,47 +84,6 @@ def train(backend, mode, compile_backend, hooked=True, bucket_mb=None, steps=2, 
         opt.step()
         opt.zero_grad(set_to_none=False)
     return out, graph_breaks()
-
-
-#: Statistics a firing records exactly (counts, and values picked from the gradient)
-EXACT_STATS = ("count", "nan", "inf", "zeros", "min", "max", "absmax")
-
-
-def assert_same_stats(stats, estats, values_rtol: float = 0.0):
-    """The same rows, fresh and stale alike, and the same statistics: exactly those picked or counted; the others
-    within DESIGN's 1e-5 of the float64 value on each side (under compiled autograd the firing is traced as the plan's
-    torch ops, which reduce in float64; the eager backends in the gradient's precision, merged in float64).
-    values_rtol: how far apart the gradients the statistics describe may be (see assert_same)."""
-    assert stats and stats.keys() == estats.keys()
-    assert stats.stale == estats.stale
-    for name, row in stats.items():
-        erow = estats[name]
-        assert row.keys() == erow.keys() and row.fresh == erow.fresh, name
-        for stat, value in row.items():
-            expected = erow[stat]
-            if value != value and expected != expected:  # NaN, as in a step GradScaler skips
-                continue
-            if stat.removeprefix("input.") in ("min", "max", "absmax") and values_rtol:
-                assert abs(value - expected) <= values_rtol * abs(expected), (name, stat, value, expected)
-            elif stat.removeprefix("input.") in EXACT_STATS or stat.endswith("hist"):
-                assert value == expected or (value != value and expected != expected), (name, stat, value, expected)
-            else:
-                scale = abs(expected) if stat.removeprefix("input.") not in ("sum", "mean") else row.get("norm", 1.0)
-                assert abs(value - expected) <= (2e-5 + values_rtol) * scale, (name, stat, value, expected)
-
-
-def assert_same(got, expected, grads_rtol: float = 0.0):
-    """The same gradients (bit for bit; within `grads_rtol` for a body whose result depends on a reduction: the
-    traced firing reduces with torch's ops, the Triton kernels in their own order) and statistics."""
-    assert len(got) == len(expected)
-    for (grads, stats), (egrads, estats) in zip(got, expected):
-        assert grads.keys() == egrads.keys()
-        for name in grads:
-            if grads_rtol:
-                assert_close_to(grads[name], egrads[name], grads_rtol)
-            else:
-                assert torch.equal(grads[name], egrads[name]), name
-        assert_same_stats(stats, estats, grads_rtol)
 
 
 @pytest.mark.parametrize("mode", ["compiled_model", "compiled_step", "compiled_autograd"])
