@@ -10,6 +10,7 @@
 """
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -58,6 +59,14 @@ def _device(parser: argparse.ArgumentParser, option: str, text: str | None) -> s
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         parser.error(f"{option} {text}: there are {torch.cuda.device_count()} CUDA device(s) here")
     return text
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def main(argv=None) -> int:
@@ -115,10 +124,19 @@ def main(argv=None) -> int:
             tune.error(str(e))
     if args.command == "demo":
         device = _device(demo, "demo --device", args.device)
-        if device == "cpu" and args.backend not in ("eager", "reference"):
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel is compiled
+        backend = args.backend
+        if device == "cpu" and backend not in ("eager", "reference"):
+            if not _importable("numpy"):  # Triton's interpreter needs numpy; torch's CPU wheel does not
+                if backend == "triton":
+                    demo.error("--backend triton on CPU runs Triton's interpreter, which needs numpy: pip install "
+                               "'numpy<2.4' (or use --backend eager)")
+                print("numpy is not installed, and Triton's interpreter needs it: the demo runs on the eager CPU "
+                      "backend (pip install 'numpy<2.4' to run the Triton kernels in the interpreter)")
+                backend = "eager"
+            else:
+                os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel is compiled
         from .demo import run_demo
-        run_demo(steps=args.steps, device=device, backend=args.backend)
+        run_demo(steps=args.steps, device=device, backend=backend)
     return 0
 
 

@@ -149,20 +149,25 @@ class HookCompilation:
 
     def check_shape(self, name: str, t: torch.Tensor) -> None:
         """Refuse a gradient `t` (of the tensor `name`) the body does not fit: a reduction over dimensions it lacks,
-        a result that does not broadcast to its shape (CompileError)."""
+        a result of another shape than the gradient's (CompileError): torch refuses a gradient hook that changes the
+        size ("hook ... has changed the size of value"), and writing it into `.grad` would broadcast it silently."""
         try:
             _, result_shape = lower(self.body_for(t.shape), t.dtype, tuple(t.shape))
         except CompileError as e:
             if not self.reduces_over_dims:
                 raise
             raise CompileError(f"{self.name} does not fit {name} (shape {tuple(t.shape)}): {e}") from None
-        try:
-            fits = torch.broadcast_shapes(result_shape, t.shape) == t.shape
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise CompileError(f"{self.name}: the body's result has shape {result_shape}, which does not "
-                               f"broadcast to the gradient of {name} (shape {tuple(t.shape)})")
+        if tuple(result_shape) != tuple(t.shape):
+            try:
+                broadcasts = torch.broadcast_shapes(result_shape, t.shape) == t.shape
+            except RuntimeError:
+                broadcasts = False
+            how = "would be broadcast into it, silently" if broadcasts else "does not broadcast to it either"
+            raise CompileError(f"{self.name}: the body's result has shape {tuple(result_shape)}, the gradient of "
+                               f"{name} has shape {tuple(t.shape)}: a gradient hook returns a tensor of the "
+                               f"gradient's shape, as torch's hooks must (the result {how}). To write a reduced "
+                               "value into every element on purpose, return it on the gradient's shape "
+                               "(`torch.zeros_like(grad) + value`)")
 
 
 class Workspaces:

@@ -202,3 +202,26 @@ def test_benchmark_reports_a_line_per_case(tmp_path):
         "benchmarks [3/5] clip_scale fusedhooks fp32 3K", "benchmarks [4/5] clip_scale eager fp32 3K",
         "benchmarks [5/5] overhead"], proc.stderr
     assert all(line.endswith(" us") for line in lines[:4]), lines
+
+
+#: runs the command line in a Python where numpy cannot be imported (torch's CPU wheel does not depend on it; Triton's
+#: interpreter does), without TRITON_INTERPRET, as after the README's library-only install
+_WITHOUT_NUMPY = ("import sys; sys.modules['numpy'] = None; from fusedhooks.__main__ import main; "
+                  "sys.exit(main(sys.argv[1:]))")
+
+
+def _run_without_numpy(*argv: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", _WITHOUT_NUMPY, *argv], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+
+
+def test_the_demo_runs_without_numpy_on_the_eager_backend():
+    """The library alone (no numpy): the demo runs on the eager CPU backend and says why in one line; asking for the
+    Triton kernels on CPU is refused with what to install."""
+    proc = _run_without_numpy("demo", "--steps", "2", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "numpy is not installed" in proc.stdout and "eager CPU backend" in proc.stdout
+    assert "done in" in proc.stdout
+    proc = _run_without_numpy("demo", "--steps", "2", "--device", "cpu", "--backend", "triton")
+    assert proc.returncode == 2 and "needs numpy: pip install 'numpy<2.4'" in proc.stderr

@@ -256,9 +256,27 @@ def test_refusals_at_decoration():
 
 
 def test_a_result_that_does_not_broadcast_is_refused_at_register():
-    with pytest.raises(CompileError, match=r"result has shape \(3,\), which does not broadcast to the gradient of w"):
+    with pytest.raises(CompileError, match=r"result has shape \(3,\), the gradient of w has shape \(3, 4\).*"
+                                           "does not broadcast to it either"):
         fh.grad_hook(lambda g: g.norm(dim=1), backend="reference").register([("w", torch.nn.Parameter(
             torch.zeros(3, 4)))])
+
+
+@pytest.mark.parametrize("body", [lambda g: g.mean(0), lambda g: g.mean(), lambda g: g.sum(1, keepdim=True)],
+                         ids=["mean-rows", "mean", "row-sums"])
+def test_a_result_of_another_shape_is_refused_not_broadcast(body, backend):
+    """torch refuses a gradient hook that changes the size; writing the result into .grad would broadcast it into
+    every row (or element), silently: refused at register, naming both shapes, on every backend."""
+    layer = torch.nn.Linear(4, 3)
+    hook = fh.grad_hook(body, backend=backend)
+    with pytest.raises(CompileError, match=r"the gradient of weight has shape \(3, 4\): a gradient hook returns a "
+                                           r"tensor of the gradient's shape.*would be broadcast into it, silently"):
+        hook.register(layer)
+    assert len(hook.registry) == 0
+    ok = fh.grad_hook(lambda g: torch.zeros_like(g) + g.mean(), backend=backend)  # on purpose: the gradient's shape
+    ok.register(layer)
+    layer(torch.randn(2, 4)).sum().backward()
+    torch.testing.assert_close(layer.bias.grad, torch.full((3,), 2.0))
 
 
 def test_whole_tensor_var_with_a_positional_unbiased_is_still_var():
