@@ -506,24 +506,32 @@ def test_a_cast_of_a_float32_parameter_to_its_own_dtype_is_the_parameter():
 # --- results broadcast into the gradient ----------------------------------------------------------------------
 
 SCALE_1X1 = torch.tensor([[0.5]])
-BROADCAST_BODIES = {
+#: bodies whose result is not shaped like the gradient: torch refuses a gradient hook that changes the size
+OTHER_SHAPE_BODIES = {
     "return 0-dim -0.0": lambda g: NEG_ZERO,
     "return -0.0 reduction": lambda g: -(g * 0.0).abs().sum(),
-    "g * 1x1 tensor": lambda g: g * SCALE_1X1,
     "return -(0-dim 0.0)": lambda g: -ZERO,
 }
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("name", list(BROADCAST_BODIES))
-def test_a_result_broadcast_into_the_gradient_keeps_signed_zeros(name, dtype, backend):
-    """A result not shaped like the gradient (0-dim, or broadcast from a 1x1 tensor) is copied into every element
-    bit for bit, -0.0 included, as torch's copy_ does."""
-    body = BROADCAST_BODIES[name]
+def test_a_result_broadcast_from_a_1x1_tensor_keeps_signed_zeros(dtype, backend):
+    """`g * 1x1 tensor` (the gradient's shape, broadcast inside the body) is written bit for bit, -0.0 included."""
+    body = lambda g: g * SCALE_1X1  # noqa: E731
     grad = torch.tensor([[1.0, -0.0, 3.0], [-0.0, 2.0, -4.0]], dtype=dtype)
     expected = eager_expected(body, grad, grad)
     fire(fh.grad_hook(body, backend=backend), grad)
     assert_same_bits(grad.flatten(), expected.flatten())
+
+
+@pytest.mark.parametrize("name", list(OTHER_SHAPE_BODIES))
+def test_a_result_of_another_shape_than_the_gradient_is_refused(name, backend):
+    """A 0-dim result would be broadcast into every element of `.grad`, silently: refused at register, as torch
+    refuses a hook that changes the size."""
+    p = torch.zeros(2, 3, requires_grad=True)
+    with pytest.raises(fh.CompileError, match=r"the body's result has shape \(\), the gradient of param0 has shape "
+                                              r"\(2, 3\)"):
+        fh.grad_hook(OTHER_SHAPE_BODIES[name], backend=backend).register(p)
 
 
 # --- reflected operators with a closed-over tensor ------------------------------------------------------------
