@@ -456,7 +456,7 @@ class ShardStats:
         of the backward it is nested in, or overlaps (one collective per backward), else a new one."""
         with self._lock:
             task = gates.track(backward_key)
-            pending = next((p for p in self._running.values() if p.task is not None and p.task.running()), None)
+            pending = next((p for p in self._running.values() if gates.same_backward(p.task)), None)
             if pending is None:
                 pending = _PendingMerge(self, task)
                 if not gates.at_end(backward_key, pending.run):  # no backward the process follows: at its own end

@@ -218,8 +218,7 @@ class Backwards:
             if key in self._members:
                 return
             members = self._members.values()
-            if (not any(task is not None and task.running() for task in members)
-                    and (key != -1 or -1 not in self._members)):
+            if not any(map(same_backward, members)) and (key != -1 or -1 not in self._members):
                 if self.count_failed or not members or not all(task is not None and task.failed() for task in members):
                     self.number += 1
                 self._members = {}
