@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One GPU session, under 8 minutes: install, the AOT build report, GPU tests, a first part of the CPU-tensor tests,
+# One GPU check, under 8 minutes: install, the AOT build report, GPU tests, a first part of the CPU-tensor tests,
 # autotuning, the published global-clip comparison, the cost of each statistic and the benchmark.
 # First run 2026-12-04 on an H200 (torch 2.11, triton 3.6): every step's time there is beside its limit below.
 #
 #   bash benchmarks/gpu_check.sh            # on a machine with a CUDA GPU (H100/H200), torch and triton installed
 #
-# Everything lands in one folder, $OUT when set (the device tool collects it), else ./bench_out, as at most 8 files:
+# Everything lands in one folder, $OUT when set, else ./bench_out, as at most 8 files:
 #   summary.txt     the machine (GPU, driver, versions, git revision) and every step's exit status and seconds
 #                   (124: its time limit was hit)
 #   steps.log       every step's output, one section per step (the statistics-cost table among them)
@@ -25,7 +25,7 @@ summary="$out/summary.txt"
 log="$out/steps.log"
 scratch="$(mktemp -d)"  # what the benchmark writes besides its results (plots): left out of $OUT
 : > "$log"
-# The python that holds torch (on the device machines a plain `python` may be missing or another one)
+# The python that holds torch (on some GPU machines a plain `python` is missing or another one)
 PY=python
 "$PY" -c 'import torch' 2>/dev/null || PY=python3
 # pytest-xdist spreads the tests over the machine's cores when the machine has it
@@ -70,8 +70,8 @@ missing=()
 for package in transformers lightning tensorboard; do
     "$PY" -c "import $package" 2>/dev/null || missing+=("--ignore=tests/test_$package.py" "--deselect=tests/test_readme.py")
 done
-# triton 3.6's interpreter fails on numpy >= 2.4 (shared TRITON_NOTES): a numpy<2.4 wheel carried in .whl/ is put
-# first on the path for this step alone
+# triton 3.6's interpreter fails on numpy >= 2.4: a numpy<2.4 wheel carried in .whl/ (benchmarks/README.md, GPU
+# check) is put first on the path for this step alone
 interpreter_path="${PYTHONPATH:-}"
 if ! "$PY" -c 'import numpy, sys; sys.exit(tuple(map(int, numpy.__version__.split(".")[:2])) >= (2, 4))' 2>/dev/null \
         && ls .whl/numpy-*.whl >/dev/null 2>&1; then

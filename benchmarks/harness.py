@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fusedhooks.tune import parse_size  # noqa: F401  (one parser of sizes: run.py imports it here)
+from fusedhooks.cli.tune import parse_size  # noqa: F401  (one parser of sizes: run.py imports it here)
 
 QUANTILES = (0.5, 0.2, 0.8)
 REPO = Path(__file__).resolve().parent.parent
@@ -141,8 +141,8 @@ class HostClock:
 @contextlib.contextmanager
 def fusedhooks_launch_counter():
     """Counts fusedhooks' kernel launches: every one (hook kernels, the multi-tensor scale of
-    `fh.clip_grad_norm_`) goes through `fusedhooks.runtime.launch`. Yields a one-element list."""
-    from fusedhooks import runtime
+    `fh.clip_grad_norm_`) goes through `fusedhooks.runtime.launcher.launch`. Yields a one-element list."""
+    from fusedhooks.runtime import launcher as runtime
 
     count = [0]
     launch = runtime.launch
@@ -202,7 +202,8 @@ def tuning_info(device: torch.device) -> dict:
     """Where fusedhooks' tuning cache (`python -m fusedhooks tune`) is, and how many kernels it has tuned for
     this device: launch configurations change the figures."""
     try:
-        from fusedhooks import config, tuning
+        from fusedhooks import config
+        from fusedhooks.runtime import tuning
         return {"cache": str(config.tune_cache()),
                 "kernels_tuned_for_this_device": len(tuning.load().get(tuning.device_key(device), {}))}
     except Exception as e:  # optional: a library without the cache, or an unreadable file

@@ -4,7 +4,7 @@ Figures per dtype, for a hook that clips, scales and records every statistic (th
 
 - one tensor: the function register() installs as the post-accumulate hook of a 64K-element parameter, called
   directly with grad mode off (a firing as a backward makes it, without torch's own call into Python), µs per call,
-  against the 3 µs target (DESIGN, Targets), and next to it the eager clamp hook called the same way (on CPU its
+  against the 3 µs target, and next to it the eager clamp hook called the same way (on CPU its
   kernel, a clamp over 64K elements, is in its figure);
 - a bucket: a backward over 64 parameters of 1K elements registered with `bucket_mb=25` (one bucket, processed
   at the end of the backward), minus the same backward with no hook, per parameter: everything fusedhooks adds,
@@ -35,7 +35,7 @@ import weakref
 import torch
 
 import fusedhooks as fh
-from fusedhooks import runtime
+from fusedhooks.runtime import launcher as runtime
 from fusedhooks.testing import python_calls as python_calls_of
 
 SINGLE_NUMEL = 1 << 16
@@ -140,7 +140,8 @@ def bucket_us(device: torch.device, dtype: torch.dtype, quick: bool, hook_kind: 
     return 1e6 * statistics.median(differences) / BUCKET_PARAMS
 
 
-#: the model of the per-parameter figures (issue 23's measurement): LAYERS x Linear(WIDTH, WIDTH), 2 parameters each
+#: the model of the per-parameter figures (docs/benchmarks.md, "In a backward"): LAYERS x Linear(WIDTH, WIDTH),
+#: 2 parameters each
 LAYERS, WIDTH = 100, 64
 
 

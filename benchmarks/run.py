@@ -36,7 +36,7 @@ from harness import (
 )
 from workloads import MODEL_WORK, PROVIDERS, WORKLOADS, Env, Impl, NotApplicable
 
-from fusedhooks.progress import Progress
+from fusedhooks.cli.progress import Progress
 from fusedhooks.testing import GPT2Config, gpt2, synthetic_batch, train_step
 
 SIZE_PRESETS = {
@@ -222,9 +222,11 @@ class Bench:
                     how += ", minus the no-hook step's"
                 else:
                     how += " (the whole step: the no-hook baseline was not measured)"
-            return kernels, how + (f"; {counted} through fusedhooks.runtime.launch" if counted is not None else "")
+            through = f"; {counted} through fusedhooks.runtime.launcher.launch" if counted is not None else ""
+            return kernels, how + through
         if counted is not None:
-            return counted, "counted: fusedhooks.runtime.launch and the multi-tensor scale (Triton interpreter)"
+            return counted, ("counted: fusedhooks.runtime.launcher.launch and the multi-tensor scale (Triton "
+                             "interpreter)")
         if impl.fh_hook is not None:
             return impl.fh_structure["launches"], (f"structural: {impl.fh_structure['launches_from']} (the reference "
                                                    "backend launches no kernel)")

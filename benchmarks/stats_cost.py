@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Timer, device_name, environment, human, synchronize  # noqa: E402
 
 import fusedhooks as fh  # noqa: E402
-from fusedhooks.tune import parse_size  # noqa: E402
+from fusedhooks.cli.tune import parse_size  # noqa: E402
 
 #: (row name, body or None for no body, stats)
 SUBSETS = (

@@ -1,15 +1,15 @@
 """fusedhooks: PyTorch gradient hooks compiled into one fused, in-place Triton kernel per gradient."""
 
-from .adaptive import AdaptiveClip, adaptive_clip
-from .agc import UnitwiseClip, agc
 from .api import GradHook, RegistrationHandle, grad_hook
-from .clip import clip_grad_norm_
-from .distributed import LocalGradientWarning
-from .ir import STAT_NAMES
-from .plan import Plan
-from .stats import HookStats
-from .trace import CompileError, supported_ops
-from .zclip import ZClip, zclip
+from .clipping.adaptive import AdaptiveClip, adaptive_clip
+from .clipping.agc import UnitwiseClip, agc
+from .clipping.clip import clip_grad_norm_
+from .clipping.zclip import ZClip, zclip
+from .compiler.ir import STAT_NAMES
+from .compiler.plan import Plan
+from .compiler.trace import CompileError, supported_ops
+from .runtime.process_groups import LocalGradientWarning
+from .stats.buffer import HookStats
 
 # Importing fusedhooks must not import triton (TRITON_INTERPRET is read when triton is first imported).
 __all__ = ["AdaptiveClip", "CompileError", "GradHook", "HookStats", "LocalGradientWarning", "Plan",

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                                                                      "choice per kernel)")
     args = parser.parse_args(argv)
     if args.command == "build":
-        from .build import main as build_main
+        from .cli.build import main as build_main
         try:
             return build_main(args)
         except argparse.ArgumentTypeError as e:
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
             os.environ["FUSEDHOOKS_TUNE_CACHE"] = args.out
         if args.device == "cpu":
             os.environ.setdefault("TRITON_INTERPRET", "1")  # the CPU timer and the interpreter (--force)
-        from .tune import main as tune_main
+        from .cli.tune import main as tune_main
         try:
             return tune_main(args)
         except argparse.ArgumentTypeError as e:
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
                 backend = "eager"
             else:
                 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel is compiled
-        from .demo import run_demo
+        from .cli.demo import run_demo
         run_demo(steps=args.steps, device=device, backend=backend)
     return 0
 

@@ -1,5 +1,5 @@
 """The public API: `grad_hook` and the compiled hook object, a facade over the rooms below (DESIGN.md, Architecture):
-its options, decoration, `register` (registration.py), `stats`, `plan`/`explain`, and the firing's entry points."""
+its options, decoration, `register` (registration/), `stats`, `plan`/`explain`, and the firing's entry points."""
 
 from __future__ import annotations
 
@@ -7,22 +7,26 @@ import contextlib
 import functools
 import math
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch.compiler import is_compiling as _is_compiling  # a call by hand may be traced by an export too (see ops)
 
-from . import amp, codegen, config, dims, distributed, eager, firing, optable, runtime
-from .buckets import Buckets, FiringCalls
-from .compilation import Compiled, HookCompilation, Workspaces
-from .dispatch import Dispatch
-from .ir import STAT_NAMES, Graph
-from .plan import DEFAULT_HIST_RANGE, Plan, make_plan
-from .registration import Registration, check_dtype
-from .registry import Entry, RegistrationHandle, Registry
-from .stats import HookStats
-from .trace import CompileError, TracedBody, lower, trace
-from .traced import TracedFiring
+from .codegen import generate
+from .compiler import dims
+from .compiler.ir import STAT_NAMES, Graph
+from .compiler.plan import DEFAULT_HIST_RANGE, Plan, make_plan
+from .compiler.trace import CompileError, TracedBody, lower, trace
+from .firing import amp, optable, sequence, shards
+from .firing.buckets import Buckets, FiringCalls
+from .firing.dispatch import Dispatch
+from .firing.registry import Entry, RegistrationHandle, Registry
+from .firing.traced import TracedFiring
+from .registration import ddp
+from .registration.register import Registration, check_dtype
+from .runtime import launcher, process_groups
+from .runtime.compilation import BackwardPlan, Compiled, HookCompilation, Workspaces
+from .stats.buffer import HookStats
+from .stats.merge import partial_stats
 
 # read at every call of a hook: bound once
 _graph_task_id, _grad_enabled = torch._C._current_graph_task_id, torch.is_grad_enabled
@@ -77,17 +81,6 @@ def _parse_hist_range(hist_range) -> tuple[int, int]:
     return lo, hi
 
 
-@dataclass
-class BackwardPlan:
-    """What one backward costs for a hook's registered tensors (see GradHook.explain)."""
-
-    launches_per_backward: int
-    text: str
-
-    def __str__(self) -> str:
-        return self.text
-
-
 class GradHook:
     """A gradient hook compiled into one in-place kernel per gradient.
 
@@ -106,7 +99,7 @@ class GradHook:
         self.stat_names = _parse_stats(stats, "stats")
         self.input_stat_names = _parse_stats(input_stats, "input_stats")
         if backend is not None:
-            runtime.check_backend(backend)
+            launcher.check_backend(backend)
         self.backend = backend
         self.hist_range = _parse_hist_range(hist_range)
         if (scaler is None) != (optimizer is None):
@@ -141,30 +134,30 @@ class GradHook:
         self.compilation = HookCompilation(
             _weak_method(self, "_body_for"), self._body.scalars, reduces_over_dims=self.reduces_over_dims,
             stats=(self.stat_names, self.input_stat_names),
-            shard_stats=(distributed.partial_stats(self.stat_names), distributed.partial_stats(self.input_stat_names)),
+            shard_stats=(partial_stats(self.stat_names), partial_stats(self.input_stat_names)),
             hist_range=self.hist_range, backend=self.backend, amp=self._amp, name=self.__name__)
         #: this hook's scratch on each device, per thread
         self.workspaces = Workspaces()
         #: the GradScaler books of scaler= (None without it)
         self.amp = None if scaler is None else amp.HookAmp(scaler, optimizer, self.__name__, self.op_key,
                                                             self.registry)
-        #: the firing sequence (`firing.Firing`): one gradient, a bucket and a shard all run it; AMP's tensors and
+        #: the firing sequence (`sequence.Firing`): one gradient, a bucket and a shard all run it; AMP's tensors and
         #: books from `amp` (only a hook with a scaler has plans that unscale)
-        self.firing = firing.Firing(self.stats, self._body.scalars, self._body.check_scalars,
+        self.firing = sequence.Firing(self.stats, self._body.scalars, self._body.check_scalars,
                                     None if self.amp is None else self.amp.tensors)
         # the rooms below, handed the parts they need (never the hook); the calls into the firing come with each
         # registration (`firing_calls`)
         #: end-of-backward buckets, and how a bucket of gradients (DDP's too) is processed together
         self._buckets = Buckets(self.stats, self.firing, self.compilation, self.workspaces)
-        #: the checks, entries and torch hooks of `register` (see registration.py)
+        #: the checks, entries and torch hooks of `register` (see registration/register.py)
         self.registration = Registration(self.registry, self.compilation, self._buckets)
         #: the statistics of sharded (FSDP2) parameters, merged across ranks when a backward ends
-        self._shards = distributed.ShardStats(self.stats, self.compilation, self.workspaces, self._body.check_scalars,
+        self._shards = shards.ShardStats(self.stats, self.compilation, self.workspaces, self._body.check_scalars,
                                               self.registration.check_sharded)
-        #: the eager firing, one gradient at a time (`fire`, `process`; see dispatch.py), and the pause flag
+        #: the eager firing, one gradient at a time (`fire`, `process`; see firing/dispatch.py), and the pause flag
         self.dispatch = Dispatch(self.registry, self.registration.add_at_firing, self.compilation, self.workspaces,
                                  self.firing, self._shards, self._buckets.process_at_firing)
-        #: the firing while torch.compile traces a torch hook, and what the fusedhooks operators call (traced.py)
+        #: the firing while torch.compile traces a torch hook, and what the fusedhooks operators call (firing/traced.py)
         self.traced = TracedFiring(self.dispatch, self.registry, self.stats, self.amp, self.compilation,
                                    self._body.scalars, self._body.check_scalars)
 
@@ -199,11 +192,11 @@ class GradHook:
         itself requires grad (backward(create_graph=True)) the body runs as eager torch ops that autograd
         records, as an eager hook's would, instead of a kernel writing behind autograd's back. A sharded
         (FSDP2, DTensor) gradient is processed on this rank's shard; its statistics, those of the whole
-        parameter, are merged across ranks when the backward ends (see `distributed.ShardStats`). grad: the
+        parameter, are merged across ranks when the backward ends (see `shards.ShardStats`). grad: the
         gradient to process instead of `param.grad` (compiled autograd hands it over before setting .grad).
         by_hand: a call by hand with grad mode on, outside a backward, on a gradient that does not require grad:
         processed as in a backward without create_graph, with grad mode off (nothing recorded; a firing that only
-        launches kernels, `runtime.launches_only`, records nothing anyway and leaves grad mode as it is)."""
+        launches kernels, `launcher.launches_only`, records nothing anyway and leaves grad mode as it is)."""
         self.dispatch.fire(param, entry, backward_key, grad, by_hand)
 
     def process(self, entry: Entry, grad: torch.Tensor, param: torch.Tensor, backward_key: int) -> None:
@@ -244,11 +237,7 @@ class GradHook:
         body that reduces over dimensions (ignored otherwise)."""
         return self.compilation.compiled(dtype, device, shard, shape)
 
-    def check_shape(self, name: str, t: torch.Tensor) -> None:
-        """Refuse a gradient `t` (of the tensor `name`) the body does not fit (CompileError)."""
-        self.compilation.check_shape(name, t)
-
-    def workspace(self, device: torch.device) -> runtime.Workspace:
+    def workspace(self, device: torch.device) -> launcher.Workspace:
         """This thread's scratch on `device` (concurrent backwards in other threads use their own)."""
         return self.workspaces.workspace(device)
 
@@ -285,8 +274,10 @@ class GradHook:
         each rank's shard is processed in place; statistics are those of the whole parameter. See
         docs/distributed.md.
         """
-        return self.registration.register(target, name, bucket_mb, accumulation_steps, when, RegistrationHandle(self),
-                                          self.firing_calls())
+        handle, calls = RegistrationHandle(self), self.firing_calls()
+        if process_groups.is_ddp(target):
+            return ddp.register_ddp(self.registration, calls, target, name, bucket_mb, accumulation_steps, when, handle)
+        return self.registration.register(target, name, bucket_mb, accumulation_steps, when, handle, calls)
 
     def firing_calls(self) -> FiringCalls:
         """The calls a registration makes into this hook's firing (see `buckets.FiringCalls`): the dispatch's (its
@@ -305,54 +296,7 @@ class GradHook:
 
     def explain(self) -> BackwardPlan:
         """Launches per backward for the tensors this hook is registered on (an upper bound)."""
-        groups: dict[tuple, list] = {}
-        for e in self.registry:
-            t = e.tensor
-            groups.setdefault((t.device, t.dtype, e.bucket_bytes, e.averaged), []).append(t)
-        lines, total = [], 0
-        for (device, dtype, bucket_bytes, averaged), tensors in groups.items():
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            backend = self.plan(shape=tuple(tensors[0].shape), dtype=dtype, device=device).backend
-            torch_ops = "" if backend == "triton" else (f"; backend {backend}: eager torch ops, no kernel is "
-                                                         "launched (the count is the Triton backend's)")
-            if self.reduces_over_dims:  # planned per shape: a bucket launches each of its kernel sets' passes
-                launches, how = self._explain_per_shape(device, dtype, tensors, bucket_bytes, averaged, nbytes)
-                total += launches
-                lines.append(f"  {device} {str(dtype).removeprefix('torch.')}: {len(tensors)} tensors, "
-                             f"{nbytes / 2**20:.2f} MB of gradients, {how}: <= {launches} launches{torch_ops}")
-                continue
-            plan = self.plan(numel=1 << 30, dtype=dtype, device=device)
-            passes = plan.levels + 1
-            if averaged:
-                launches = len(tensors) * passes
-                how = f"in DDP's buckets (averaged), {passes} launch(es) per bucket: at most one per tensor"
-            elif bucket_bytes:
-                buckets = nbytes // bucket_bytes + 1
-                launches = buckets * passes
-                how = f"at most {buckets} end-of-backward bucket(s) of {bucket_bytes / 2**20:g} MB x {passes} pass(es)"
-            else:
-                launches = sum(self.plan(numel=t.numel(), dtype=dtype, device=device).launches for t in tensors)
-                how = "each processed at its own firing"
-            total += launches
-            lines.append(f"  {device} {str(dtype).removeprefix('torch.')}: {len(tensors)} tensors, "
-                         f"{nbytes / 2**20:.2f} MB of gradients, {how}: <= {launches} launches{torch_ops}")
-        return BackwardPlan(total, "\n".join([f"fusedhooks backward plan: <= {total} launches per backward"]
-                                             + lines))
-
-    def _explain_per_shape(self, device, dtype, tensors, bucket_bytes, averaged, nbytes) -> tuple[int, str]:
-        """`explain` of tensors of a body planned per shape: (launches, how)."""
-        plans = [self.plan(shape=tuple(t.shape), dtype=dtype, device=device) for t in tensors]
-        if averaged or not bucket_bytes:
-            where = "in DDP's buckets (averaged), each tensor's passes" if averaged else "each at its own firing"
-            return sum(p.launches for p in plans), where
-        sets: dict[object, int] = {}  # the kernels a bucket shares (see buckets.process_together) -> their launches
-        for t, p in zip(tensors, plans):
-            compiled = self.compiled(dtype, device, shape=tuple(t.shape)) if p.backend == "triton" else None
-            sets[compiled.kernel if compiled is not None else tuple(t.shape)] = p.launches
-        buckets = nbytes // bucket_bytes + 1
-        return buckets * sum(sets.values()), (f"at most {buckets} end-of-backward bucket(s) of "
-                                              f"{bucket_bytes / 2**20:g} MB x {sum(sets.values())} launch(es) of "
-                                              f"{len(sets)} kernel set(s) (planned per shape)")
+        return self.compilation.explain([(e.tensor, e.bucket_bytes, e.averaged) for e in self.registry], self._amp)
 
     @contextlib.contextmanager
     def paused(self):
@@ -374,15 +318,7 @@ class GradHook:
             numel = math.prod(shape)
         if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
             raise ValueError(f"plan(): numel= takes a whole number of elements >= 0, not {numel!r}")
-        graph = self.graph(dtype, shape)
-        backend = self.compilation.backend_for(device, graph, warn=False)
-        module = None
-        if backend == "triton" and numel and config.tune_cache().exists():  # a tuned BLOCK applies
-            module = self.compiled(dtype, device, shape=shape).kernel
-        block = runtime.launch_config(numel, device.type, module, device, dtype)[0] if numel else None
-        torch_ops = eager.compile_body(graph).shown if backend == "eager" and graph.writes else None
-        return make_plan(graph, self.stat_names, self.input_stat_names, numel, backend,
-                         amp=self._amp, hist_range=self.hist_range, block=block, torch_ops=torch_ops)
+        return self.compilation.plan(numel, dtype, device, shape, self._amp)
 
     def source(self, dtype: torch.dtype = torch.float32, device_type: str = "cuda", shape: tuple | None = None
                ) -> str:
@@ -392,7 +328,7 @@ class GradHook:
         plan = make_plan(self.graph(dtype, shape), self.stat_names, self.input_stat_names, amp=self._amp,
                          hist_range=self.hist_range)
         try:
-            return codegen.generate(plan, device_type)
+            return generate.generate(plan, device_type)
         except dims.Unsupported as e:
             raise CompileError(f"{self.__name__} has {e}: it runs as eager torch ops, not as Triton kernels") from None
 

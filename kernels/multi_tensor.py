@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedhooks.layout import flat_span
+from fusedhooks.runtime.layout import flat_span
 
 from .elementwise import bf16_to_fp32, round_to_bf16, round_to_fp16, to_bf16
 

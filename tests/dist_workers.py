@@ -63,7 +63,7 @@ def _averaged(grad: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def _hist_of(x: torch.Tensor, hist_range) -> list[int]:
-    from fusedhooks.reference import histogram
+    from fusedhooks.runtime.reference import histogram
 
     return [int(v) for v in histogram(x, hist_range).tolist()]
 
@@ -90,7 +90,7 @@ def ddp_averaged(rank: int, world: int, device) -> None:
     """register(ddp_model): clamp + all statistics of the averaged gradient, several buckets, both
     gradient_as_bucket_view settings, a no_sync() micro-batch; then fh.clip_grad_norm_ against torch's."""
     import fusedhooks as fh
-    from fusedhooks import runtime
+    from fusedhooks.runtime import launcher as runtime
 
     launches = []
     fire_bucket = runtime.fire_bucket
@@ -271,7 +271,7 @@ def _shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 def _close_stats(got: dict, x: torch.Tensor, names, prefix: str = "") -> None:
     """Statistics of the reduced gradient before the body, whose bits depend on the reduction order: counts
     exact, values within 1e-5 of the magnitude."""
-    from fusedhooks.reference import tensor_stats
+    from fusedhooks.runtime.reference import tensor_stats
 
     scale = x.double().abs().sum().item() + 1e-30
     for name, e in zip(names, (v.item() for v in tensor_stats(x, tuple(names)))):
@@ -428,7 +428,7 @@ def fsdp_registration_windows(rank: int, world: int, device) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import fusedhooks as fh
-    from fusedhooks.distributed import is_dtensor
+    from fusedhooks.runtime.layout import is_dtensor
 
     base = _fsdp_mlp(device)
     ref, model = copy.deepcopy(base), copy.deepcopy(base)

@@ -2,7 +2,7 @@
 
 import torch
 
-from fusedhooks.reference import tensor_stats
+from fusedhooks.runtime.reference import tensor_stats
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -14,6 +14,18 @@ FUSED_OPTIMIZERS = {
     "SGD": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True),
     "Adagrad": lambda params: torch.optim.Adagrad(params, lr=0.1, fused=True),
 }
+
+
+def leaf(*shape, dtype=torch.float32) -> torch.Tensor:
+    """A random leaf tensor that requires grad."""
+    return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+
+def mlp(sizes: tuple[int, int, int], activation=torch.nn.Tanh, dtype=torch.float32) -> torch.nn.Sequential:
+    """Linear(sizes[0], sizes[1]) -> activation -> Linear(sizes[1], sizes[2]), initialised after manual_seed(0)."""
+    torch.manual_seed(0)
+    first, hidden, out = sizes
+    return torch.nn.Sequential(torch.nn.Linear(first, hidden), activation(), torch.nn.Linear(hidden, out)).to(dtype)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

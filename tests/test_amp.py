@@ -8,12 +8,11 @@ import torch
 
 import fusedhooks as fh
 
-from helpers import FLOAT_DTYPES, FUSED_OPTIMIZERS, RaisingBackward, assert_same_values, optimizer_state
+from helpers import FLOAT_DTYPES, FUSED_OPTIMIZERS, RaisingBackward, assert_same_values, mlp, optimizer_state
 
 
 def make_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return mlp((8, 16, 4))
 
 
 def train(model, steps, use_hook, backend, clip=0.05, inf_steps=(7,), make_optimizer=None):

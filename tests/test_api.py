@@ -7,13 +7,9 @@ import torch
 
 import fusedhooks as fh
 
-from helpers import assert_same_values, check_stats
+from helpers import assert_same_values, check_stats, leaf
 
 COUNTS = ("count", "nan", "inf", "zeros")
-
-
-def leaf(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=dtype, requires_grad=True)
 
 
 def backward_with(t, upstream):

@@ -197,7 +197,7 @@ def test_clip_step_providers_clip_and_step(provider, monkeypatch):
 
 
 def test_interpreter_counts_launches(tmp_path):
-    """With TRITON_INTERPRET=1 the real kernels run, and launches are counted at fusedhooks.runtime.launch."""
+    """With TRITON_INTERPRET=1 the real kernels run, and launches are counted at fusedhooks.runtime.launcher.launch."""
     data, _ = run_bench(tmp_path, "--quick", "--workloads", "normalize,amp_clip", "--providers", "fusedhooks",
                         "--dtype", "fp32", "--sizes", "1K,8K", interpret=True)
     assert data["fusedhooks_backend"].startswith("triton (interpreter")

@@ -1,4 +1,4 @@
-"""Ahead-of-time builds for GPU targets, without a GPU (`python -m fusedhooks build`, fusedhooks/build.py).
+"""Ahead-of-time builds for GPU targets, without a GPU (`python -m fusedhooks build`, fusedhooks/cli/build.py).
 
 Every kernel family compiles for cuda:80, cuda:90 and hip:gfx942; on cuda:90 the gates hold: no spills and at most
 128 registers per thread at the runtime's BLOCK and warps (every dtype), and 128-bit loads and stores of an aligned,
@@ -15,8 +15,10 @@ import sys
 import pytest
 import torch
 
-from fusedhooks import build, codegen, dims
-from fusedhooks.plan import make_plan
+from fusedhooks.cli import build
+from fusedhooks.codegen import generate as codegen
+from fusedhooks.compiler import dims
+from fusedhooks.compiler.plan import make_plan
 
 TARGETS = ("cuda:80", "cuda:90", "hip:gfx942")
 GATED_DTYPES = ("fp32", "bf16", "fp16")
@@ -126,7 +128,7 @@ def test_partials_row_width_is_the_kernels():
 
 
 def test_aligned_hint_follows_alignment_and_size():
-    from fusedhooks.runtime import aligned
+    from fusedhooks.runtime.launcher import aligned
 
     x = torch.zeros(64)
     assert aligned(x) and aligned(x, None)

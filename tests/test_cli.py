@@ -166,7 +166,7 @@ def test_build_usage_errors_are_one_line_messages(argv, message, interpreting, c
 
 
 def test_build_prints_a_header_over_its_columns(capsys, monkeypatch):
-    from fusedhooks import build
+    from fusedhooks.cli import build
 
     report = build.KernelReport("stats-only", "fp32", "single_kernel", "cuda:90", 8, registers=31, spills=0,
                                 load_bits=(32, 128), store_bits=None, scalar_element_accesses=0)

@@ -389,7 +389,7 @@ def test_tables_are_cached_and_rebuilt_when_grads_move(monkeypatch):
     """The multi-tensor table holds the gradients' addresses: rebuilt when they move. The clip's layout (which row of
     the statistics each norm comes from) does not depend on them: built once, also when zero_grad(set_to_none=True)
     gives new gradient tensors at every step (a rebuild copies it to the device and, on a GPU, used to sync)."""
-    from fusedhooks import clip
+    from fusedhooks.clipping import clip
 
     builds = count_calls(monkeypatch, multi_tensor, "build_table")
     layouts = count_calls(monkeypatch, clip, "_build_layout")

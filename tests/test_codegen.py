@@ -3,7 +3,7 @@
 import torch
 
 import fusedhooks as fh
-from fusedhooks import kernel_cache
+from fusedhooks.codegen import kernel_cache
 
 from test_ops import fire
 
@@ -53,13 +53,13 @@ def test_offsets_are_int64():
 def count_launches(monkeypatch) -> list:
     """Wrap the runtime's launcher; returns the list of (kernel name, grid) it is called with."""
     launches = []
-    real_launch = fh.runtime.launch
+    real_launch = fh.runtime.launcher.launch
 
     def counting_launch(kernel, grid, *args, **meta):
         launches.append((kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__, grid))
         return real_launch(kernel, grid, *args, **meta)
 
-    monkeypatch.setattr(fh.runtime, "launch", counting_launch)
+    monkeypatch.setattr(fh.runtime.launcher, "launch", counting_launch)
     return launches
 
 

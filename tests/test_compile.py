@@ -1,6 +1,6 @@
 """torch.compile and compiled autograd: same gradients and statistics as eager, no graph break from fusedhooks.
 
-Under compiled autograd a hook calls one operator, `torch.ops.fusedhooks.fire` (fusedhooks/ops.py), whose
+Under compiled autograd a hook calls one operator, `torch.ops.fusedhooks.fire` (fusedhooks/firing/ops.py), whose
 real implementation is the eager firing; on CPU it runs the Triton kernels in the interpreter (backend
 "triton") or the eager backend. torch.compile itself breaks the graph at `loss.backward()`: every test
 compares the graph breaks of a step with hooks with those of the same step without.
@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 import fusedhooks as fh
 from fusedhooks.testing import python_calls
 
-from helpers import REDUCTION_RTOL, assert_close_to, assert_same, assert_same_stats, torch_fp32_norm_rtol
+from helpers import REDUCTION_RTOL, assert_close_to, assert_same, assert_same_stats, mlp, torch_fp32_norm_rtol
 
 STATS = ("norm", "max", "nan", "std")
 
@@ -32,8 +32,7 @@ def fh_backend(request):
 
 
 def make_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return mlp((8, 16, 4), torch.nn.ReLU)
 
 
 def make_hook(backend):
@@ -248,7 +247,7 @@ def test_amp_under_compiled_autograd():
 def test_fire_op_declares_what_it_writes():
     schema = torch.ops.fusedhooks.fire.default._schema if hasattr(torch.ops.fusedhooks, "fire") else None
     if schema is None:
-        from fusedhooks import ops  # noqa: F401  (registered when first needed)
+        from fusedhooks.firing import ops  # noqa: F401  (registered when first needed)
 
         schema = torch.ops.fusedhooks.fire.default._schema
     mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
@@ -260,7 +259,7 @@ def test_ops_keeping_python_books_stay_out_of_cuda_graphs():
     """fusedhooks::fire and fusedhooks::clip_grad_norm_ update Python books at every call: they carry
     torch.Tag.cudagraph_unsafe, so torch.compile(mode="reduce-overhead") runs them at every step instead of replaying
     their kernels without their Python (on a GPU: tests/test_gpu.py would replay them; CPU runs no CUDA graph)."""
-    from fusedhooks import ops  # noqa: F401  (registered when first needed)
+    from fusedhooks.firing import ops  # noqa: F401  (registered when first needed)
 
     for op in (torch.ops.fusedhooks.fire.default, torch.ops.fusedhooks.clip_grad_norm_.default):
         assert torch.Tag.cudagraph_unsafe in op.tags, op
@@ -281,7 +280,7 @@ def test_paused_hook_under_compiled_autograd():
 
 
 def test_import_loads_neither_triton_nor_the_ops():
-    code = ("import sys, fusedhooks; bad = [m for m in ('triton', 'fusedhooks.ops') if m in sys.modules]; "
+    code = ("import sys, fusedhooks; bad = [m for m in ('triton', 'fusedhooks.firing.ops') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -680,7 +679,7 @@ def test_eager_and_compiled_backwards_of_one_hook_number_rows_alike():
 def test_firing_op_declares_what_it_writes_and_may_be_replayed():
     """fusedhooks::firing writes the gradient, the statistics buffer and the device backward numbers, declared; it
     keeps no Python books, so a CUDA graph may replay it (no cudagraph_unsafe tag)."""
-    from fusedhooks import ops  # noqa: F401  (registered when first needed)
+    from fusedhooks.firing import ops  # noqa: F401  (registered when first needed)
 
     op = torch.ops.fusedhooks.firing.default
     mutated = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}

@@ -18,7 +18,7 @@ from torch._dynamo import compiled_autograd
 from torch._dynamo.utils import counters
 
 import fusedhooks as fh
-from fusedhooks import runtime
+from fusedhooks.runtime import launcher as runtime
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -13,7 +13,7 @@ import torch
 from test_codegen import count_launches
 
 import fusedhooks as fh
-from fusedhooks.trace import CompileError
+from fusedhooks.compiler.trace import CompileError
 
 from helpers import REDUCTION_RTOL, assert_close_to, assert_same_values, timm_agc_
 

@@ -83,7 +83,8 @@ ALL = ("count", "sum", "mean", "sumsq", "norm", "var", "std", "min", "max", "abs
 def _merged_stats(hook, whole: torch.Tensor, ranks: int) -> dict:
     """Process `whole` as `ranks` FSDP2 shards (torch.chunk along dim 0, empty past the last chunk) with the
     shard kernels, then merge their partial rows as the ranks would after their all-gather."""
-    from fusedhooks import distributed, runtime
+    from fusedhooks.runtime import launcher as runtime
+    from fusedhooks.stats import merge as stats_merge
 
     compiled = hook.compiled(whole.dtype, whole.device, shard=True)
     partials = hook._shards.partials
@@ -95,7 +96,7 @@ def _merged_stats(hook, whole: torch.Tensor, ranks: int) -> dict:
         runtime.fire(compiled.plan, compiled.kernel, shard, shard, hook.scalars, row, hook.workspace(whole.device))
         rows.append(row)
     parts = torch.stack(rows).view(ranks, 1, -1)
-    merged = distributed.merge_partials(parts, partials.slot_names, hook.stats.slot_names)[0]
+    merged = stats_merge.merge_partials(parts, partials.slot_names, hook.stats.slot_names)[0]
     out = {}
     for name, value in zip(hook.stats.slot_names, merged.tolist()):
         if name.endswith("hist"):
@@ -116,7 +117,7 @@ def _special(n: int, dtype) -> torch.Tensor:
 def test_merged_shard_stats_equal_whole(backend, dtype, rows, ranks):
     """Stats of the whole parameter from shard partials (uneven and empty shards): counts, min/max/absmax and
     hist exact, sums, norms and var/std within the fp64-merge tolerance of a float64 reference."""
-    from fusedhooks.reference import histogram
+    from fusedhooks.runtime.reference import histogram
 
     from helpers import check_stats
 

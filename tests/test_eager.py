@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fusedhooks as fh
-from fusedhooks import eager, runtime
+from fusedhooks.runtime import eager
+from fusedhooks.runtime import launcher as runtime
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 

@@ -5,9 +5,7 @@ import torch
 
 import fusedhooks as fh
 
-
-def leaf(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=dtype, requires_grad=True)
+from helpers import leaf
 
 
 def test_compile_error_is_a_type_error():
@@ -161,7 +159,7 @@ def test_bad_backend_rejected(backend):
 
 def test_eager_backend_refuses_a_gpu_gradient_with_what_to_do():
     with pytest.raises(RuntimeError, match="the eager backend runs on CPU tensors .* use backend='auto' or 'triton'"):
-        fh.runtime.choose_backend(torch.device("cuda"), "eager")  # decided before any CUDA call
+        fh.runtime.launcher.choose_backend(torch.device("cuda"), "eager")  # decided before any CUDA call
 
 
 def test_non_callable_rejected():

@@ -7,16 +7,14 @@ import torch
 
 import fusedhooks as fh
 
-from helpers import FUSED_OPTIMIZERS, assert_close_after_steps, coef_rtol, optimizer_state, torch_fp32_norm_rtol
+from helpers import FUSED_OPTIMIZERS, assert_close_after_steps, coef_rtol, mlp, optimizer_state, torch_fp32_norm_rtol
 
 STEPS, MAX_NORM = 4, 0.5
 
 
 def make_model(dtype, narrow=False):
     """narrow: a hidden width of 1, so that every parameter has fewer than 16 elements (see `narrow_for`)."""
-    torch.manual_seed(0)
-    hidden = 1 if narrow else 16
-    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 5)).to(dtype)
+    return mlp((8, 1 if narrow else 16, 5), dtype=dtype)
 
 
 def narrow_for(name, dtype) -> bool:

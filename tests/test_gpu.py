@@ -51,7 +51,7 @@ def test_signed_zeros_match_cuda_torch_bit_for_bit(name, dtype):
 
 def test_repeated_firings_launch_through_the_compiled_kernel(monkeypatch):
     """After the first firing, a hook's launches skip Triton's dispatch (`JITFunction.run`: tens of µs of Python per
-    launch) and call the compiled kernel (fusedhooks/fastlaunch.py); written before a GPU ran it."""
+    launch) and call the compiled kernel (fusedhooks/runtime/fastlaunch.py); written before a GPU ran it."""
     import triton
 
     hook = fh.grad_hook(lambda grad: grad * 2, stats=("norm",))

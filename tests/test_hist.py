@@ -32,7 +32,7 @@ def test_hist_counts_equal_bucketize(dtype, programs, backend, monkeypatch):
     hook = fh.grad_hook(lambda grad: grad * 0.5, stats=("hist", "nan"), input_stats=("hist",), backend=backend)
     fire(hook, grad)
     counts, edges = hook.stats.histogram("param0")
-    lo, hi = fh.plan.DEFAULT_HIST_RANGE
+    lo, hi = fh.compiler.plan.DEFAULT_HIST_RANGE
     assert torch.equal(counts, bucketize_reference(grad, lo, hi))
     assert torch.equal(hook.stats.histogram("param0", input=True)[0], bucketize_reference(before, lo, hi))
     assert torch.equal(edges, 2.0 ** torch.arange(lo, hi + 1, dtype=torch.float64))

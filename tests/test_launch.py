@@ -1,4 +1,4 @@
-"""What a bound launch keeps for launching its compiled kernels directly (fusedhooks/fastlaunch.py).
+"""What a bound launch keeps for launching its compiled kernels directly (fusedhooks/runtime/fastlaunch.py).
 
 On a GPU `fastlaunch.launch` keys the compiled kernels it keeps by the specialisation of the arguments that may
 change between launches only (`Kept.varying`): the firing's tensors and the closed-over ones. These tests check,
@@ -11,7 +11,8 @@ import torch
 import triton
 
 import fusedhooks as fh
-from fusedhooks import fastlaunch, runtime
+from fusedhooks.runtime import fastlaunch
+from fusedhooks.runtime import launcher as runtime
 
 
 @pytest.mark.parametrize("stats", [(), ("norm", "mean")], ids=["no_stats", "stats"])
@@ -94,3 +95,24 @@ def test_fast_launch_off_dispatches_every_launch_through_triton(monkeypatch):
     for _ in range(3):
         fastlaunch.launch(kernel, (1,), (x, x, 8), {"BLOCK": 16}, kept)
     assert len(kernel.dispatches) == 3 and not kernel.runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_lean_firing_makes_at_most_eight_calls(monkeypatch, dtype):
+    """A warm firing of a clip + scale + every statistic hook, as a backward makes it (grad mode off), runs at most 8
+    Python functions of fusedhooks (the torch hook, the dispatch, the firing sequence, the books, the launch), its
+    kernel launches left out (benchmarks/overhead.py times the same firing)."""
+    from fusedhooks.testing import python_calls
+
+    hook = fh.grad_hook(lambda grad: grad.clamp(-1.0, 1.0) * 0.5, stats="all", backend="triton")
+    param = torch.nn.Parameter(torch.zeros(1 << 10, dtype=dtype))
+    param.grad = torch.randn(1 << 10).to(dtype)
+    launched = []
+    monkeypatch.setattr(runtime, "launch", lambda kernel, grid, args, meta, fast=None: launched.append(kernel))
+    with hook.register(param), torch.no_grad():
+        fire = next(reversed(param._post_accumulate_grad_hooks.values()))  # what torch calls after accumulating
+        fire(param)
+        fire(param)
+        launched.clear()
+        calls = python_calls(lambda: fire(param))
+    assert launched and calls <= 8, calls

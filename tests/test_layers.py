@@ -1,9 +1,10 @@
-"""The code follows the firing, one way down (DESIGN.md, Architecture): the modules of fusedhooks/ (and
-fusedhooks.kernels) import each other without a circle, and none reads another's private names.
+"""The code follows the firing, one way down (DESIGN.md, Architecture): the folders of fusedhooks/ (and
+fusedhooks.kernels) stand in floors, each module imports only from its own floor or those below, no modules import each
+other in a circle, and none reads another's private names.
 
-Imports are read from the source (ast), at module level and inside functions alike: a function-level import that
-runs back up is a circle too. Imports under `if TYPE_CHECKING:` are left out: they only name types for annotations
-(every such module has `from __future__ import annotations`) and never run.
+Imports are read from the source (ast), at module level, inside functions and under `if TYPE_CHECKING:` alike: a
+function-level import that runs back up is a circle too, and so is a type named from above: what a lower module needs
+is handed to it as an object or a callable, its type named where it is defined, below.
 """
 
 from __future__ import annotations
@@ -59,10 +60,12 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     return skipped
 
 
-def _imports(name: str, path: pathlib.Path) -> list[tuple[str, ast.ImportFrom | ast.Import]]:
-    """(fusedhooks module imported, import statement) of module `name`, TYPE_CHECKING-only imports left out."""
+def _imports(name: str, path: pathlib.Path, type_checking: bool = True
+             ) -> list[tuple[str, ast.ImportFrom | ast.Import]]:
+    """(fusedhooks module imported, import statement) of module `name`; those under `if TYPE_CHECKING:` only where
+    `type_checking`."""
     tree = ast.parse(path.read_text())
-    skipped = _type_checking_only(tree)
+    skipped = set() if type_checking else _type_checking_only(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
@@ -107,10 +110,15 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_modules_are_found():
-    # the checks below must see the whole package, the kernels behind the link included
-    assert {"fusedhooks.api", "fusedhooks.ops", "fusedhooks.gates", "fusedhooks.kernels.multi_tensor",
-            "fusedhooks.integrations.lightning"} <= set(MODULES)
-    assert any(t == "fusedhooks.api" for t, _ in _imports("fusedhooks.clip", MODULES["fusedhooks.clip"]))
+    # the checks below must see the whole package, its folders and the kernels behind the link included
+    assert {"fusedhooks.api", "fusedhooks.firing.ops", "fusedhooks.registration.gates", "fusedhooks.runtime",
+            "fusedhooks.kernels.multi_tensor", "fusedhooks.integrations.lightning"} <= set(MODULES)
+    clip = "fusedhooks.clipping.clip"
+    assert any(t == "fusedhooks.api" for t, _ in _imports(clip, MODULES[clip]))
+    # TYPE_CHECKING imports are imports (a type from above is an import pointing up)
+    dispatch = "fusedhooks.firing.dispatch"
+    assert "fusedhooks.firing.shards" in {t for t, _ in _imports(dispatch, MODULES[dispatch])}
+    assert "fusedhooks.firing.shards" not in {t for t, _ in _imports(dispatch, MODULES[dispatch], type_checking=False)}
 
 
 def test_cycle_finder():
@@ -120,10 +128,61 @@ def test_cycle_finder():
 
 def test_imports_have_no_circles():
     graph = {name: {t for t, _ in _imports(name, path)} for name, path in MODULES.items()}
-    graph["fusedhooks"].clear()  # the package's __init__ re-exports the public names: it sits above every module
     cycle = _cycle(graph)
-    assert cycle is None, ("import circle (function-level imports included): " + " -> ".join(cycle)
+    assert cycle is None, ("import circle (function-level and TYPE_CHECKING imports included): " + " -> ".join(cycle)
                            + "; imports go down only: hand the lower module the object or callable it needs")
+
+
+#: The floors of the house, top down (DESIGN.md, Architecture): a module imports from its own floor and those below
+#: only. A floor is a list of folders (every module in them) and top-level modules.
+FLOORS = [
+    ["fusedhooks.__main__", "fusedhooks.cli"],          # the command line: build, tune, demo
+    ["fusedhooks"],                                     # the package's face: the public names
+    ["fusedhooks.integrations"],                        # HF Trainer, Lightning, TensorBoard
+    ["fusedhooks.clipping"],                            # clipping across gradients: takes or makes a hook
+    ["fusedhooks.api"],                                 # the hook object, a facade over the floors below
+    ["fusedhooks.registration"],                        # register(): tensors, modules, DDP, FSDP2; gates
+    ["fusedhooks.firing"],                              # the one firing, dispatch, buckets, shards, traced op, AMP
+    ["fusedhooks.kernels"],                             # hand-written Triton kernels (multi-tensor, statistics)
+    ["fusedhooks.stats"],                               # the statistics buffer, backwards, merges
+    ["fusedhooks.runtime"],                             # launching, backends, compiled kernels, layouts, groups
+    ["fusedhooks.codegen"],                             # plans to Triton source and launch specs
+    ["fusedhooks.compiler"],                            # tracing, the IR, plans, reductions over dimensions
+    ["fusedhooks.config", "fusedhooks.testing"],        # environment variables; the test model and counters
+]
+
+
+def _floor(name: str) -> int | None:
+    """The floor of module `name` (its own entry, or its folder's), None if it has none."""
+    for i, floor in enumerate(FLOORS):
+        if any(name == place or name.startswith(place + ".") for place in floor if place != "fusedhooks"):
+            return i
+        if name == "fusedhooks" and "fusedhooks" in floor:
+            return i
+    return None
+
+
+def test_every_module_has_a_floor():
+    homeless = [name for name in MODULES if _floor(name) is None]
+    assert not homeless, f"modules on no floor of FLOORS (put each in a folder, and the folder on a floor): {homeless}"
+    top_level = sorted(n for n in MODULES if n.count(".") == 1 and MODULES[n].name != "__init__.py")
+    assert top_level == ["fusedhooks.__main__", "fusedhooks.api", "fusedhooks.config", "fusedhooks.testing"], (
+        f"modules outside the folders: {top_level}; a module belongs in the folder of its concern")
+
+
+def test_floor_finder():
+    assert _floor("fusedhooks") == 1 and _floor("fusedhooks.api") == 4
+    assert _floor("fusedhooks.firing.amp") == _floor("fusedhooks.firing") == 6
+    assert _floor("fusedhooks.firingx") is None
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_import_points_up(name):
+    mine = _floor(name)
+    up = [f"{MODULES[name].name}:{node.lineno}: imports {t} (floor {_floor(t)}: {FLOORS[_floor(t)]})"
+          for t, node in _imports(name, MODULES[name]) if _floor(t) < mine]
+    assert not up, (f"{name} (floor {mine}: {FLOORS[mine]}) imports from a floor above it; imports go down only: "
+                    "hand the lower module the object or callable it needs, or move the name down:\n" + "\n".join(up))
 
 
 def _defined_private(tree: ast.Module) -> set[str]:
@@ -168,11 +227,10 @@ def _private_reads(path: pathlib.Path) -> list[str]:
     return bad
 
 
-def test_private_reads_are_detected():
+def test_private_reads_are_detected(tmp_path):
     source = ("from .api import _check_param\nclass A:\n    def f(self, hook):\n        self._mine = 1\n"
               "        return hook._paused, self._mine, hook._mine, grad._version, torch._C._x\n")
-    path = PACKAGE.parent / ".pytest_cache" / "layers_probe.py"
-    path.parent.mkdir(exist_ok=True)
+    path = tmp_path / "layers_probe.py"
     path.write_text(source)
     assert _private_reads(path) == [
         "layers_probe.py:1: from .api import _check_param", "layers_probe.py:5: hook._paused"]
@@ -187,20 +245,18 @@ def test_no_private_reads_of_other_modules(name):
 
 # --- the facade: the rooms below api.py are handed the parts they need, never the hook --------------------------
 
-#: The modules above the hook object (api.py, the facade), and fusedhooks.integrations: they take a GradHook (clip
-#: functions, hook subclasses, integrations, the CLI) or re-export it. Every other module is a room below it.
-ABOVE_THE_FACADE = {"fusedhooks", "fusedhooks.api", "fusedhooks.adaptive", "fusedhooks.agc", "fusedhooks.clip",
-                    "fusedhooks.zclip", "fusedhooks.tune", "fusedhooks.demo", "fusedhooks.build",
-                    "fusedhooks.__main__"}
-BELOW_THE_FACADE = sorted(n for n in MODULES
-                          if n not in ABOVE_THE_FACADE and not n.startswith("fusedhooks.integrations"))
+#: The rooms below the hook object (api.py, the facade): the floors under it. Those above take a GradHook (clip
+#: functions, hook subclasses, integrations, the CLI) or re-export it.
+BELOW_THE_FACADE = sorted(n for n in MODULES if _floor(n) > _floor("fusedhooks.api"))
 
-#: The path of a gradient, top down (DESIGN.md, Architecture): the facade, the firing while torch.compile traces a
-#: hook (traced), registration (tensors, modules, DDP, FSDP2), the eager firing's dispatch (one gradient at a
-#: time), buckets, the firing, the registry and the statistics. A module imports none above it (at run time).
-LAYERS = ["fusedhooks.api", "fusedhooks.traced", "fusedhooks.registration", "fusedhooks.dispatch",
-          "fusedhooks.distributed", "fusedhooks.buckets", "fusedhooks.firing", "fusedhooks.registry",
-          "fusedhooks.stats"]
+#: The path of a gradient, top down (DESIGN.md, Architecture): the facade, registration (DDP models, tensors and
+#: modules, FSDP2), the firing while torch.compile traces a hook (traced), the eager firing's dispatch (one gradient
+#: at a time), FSDP2 shards, buckets, the firing sequence, the registry and the statistics. A module imports none
+#: above it.
+LAYERS = ["fusedhooks.api", "fusedhooks.registration.ddp", "fusedhooks.registration.register",
+          "fusedhooks.firing.traced", "fusedhooks.firing.dispatch", "fusedhooks.firing.shards",
+          "fusedhooks.firing.buckets", "fusedhooks.firing.sequence", "fusedhooks.firing.registry",
+          "fusedhooks.stats.buffer"]
 
 
 def _names_the_hook(path: pathlib.Path) -> list[str]:
@@ -227,8 +283,8 @@ def test_rooms_below_the_facade_never_name_the_hook(name):
 
 
 def test_layers_go_down():
-    assert {"fusedhooks.registration", "fusedhooks.dispatch", "fusedhooks.buckets",
-            "fusedhooks.distributed"} <= set(BELOW_THE_FACADE)
+    assert {"fusedhooks.registration.register", "fusedhooks.firing.dispatch", "fusedhooks.firing.buckets",
+            "fusedhooks.registration.ddp", "fusedhooks.firing.shards"} <= set(BELOW_THE_FACADE)
     for i, name in enumerate(LAYERS):
         above = {t for t, _ in _imports(name, MODULES[name])} & set(LAYERS[:i])
         assert not above, f"{name} imports {sorted(above)}, above it in {LAYERS}"
@@ -297,7 +353,7 @@ def test_the_rooms_below_hold_no_hook():
     import torch
 
     import fusedhooks as fh
-    from fusedhooks.buckets import FiringCalls
+    from fusedhooks.firing.buckets import FiringCalls
 
     for backend in ("reference", "eager"):  # the eager backend leaves lean firings behind (Dispatch.lean_firings)
         hook = fh.grad_hook(lambda g: g * 0.5, stats=("norm",), backend=backend)
@@ -357,3 +413,48 @@ def test_the_rooms_below_hold_no_hook():
             assert ref() is None
         finally:
             gc.enable()
+
+
+# --- one firing sequence -------------------------------------------------------------------------------------------
+
+#: The calls that write a firing's books on the host: the backward numbered, the rows marked as written by it, the
+#: gradients they describe recorded (stats.buffer.HookStats and firing.registry define them)
+BOOK_WRITES = {"begin_firing", "mark_written", "record_all"}
+#: The books of a traced firing, tensors written in the graph (stats.buffer.HookStats keeps them)
+DEVICE_BOOKS = {"epoch", "generations"}
+
+
+def _book_writes(path: pathlib.Path) -> list[str]:
+    """What of BOOK_WRITES the module at `path` calls, and the writes to DEVICE_BOOKS tensors it makes (an in-place
+    method on one, or an assignment into one)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if name in BOOK_WRITES:
+                found.append(name)
+            elif (isinstance(func, ast.Attribute) and func.attr.endswith("_")
+                  and _root(func.value) in DEVICE_BOOKS):
+                found.append(f"{_root(func.value)}.{func.attr}")
+        elif isinstance(node, ast.Assign):
+            found += [f"{_root(t)}[...] =" for t in node.targets
+                      if isinstance(t, ast.Subscript) and _root(t) in DEVICE_BOOKS]
+    return found
+
+
+def test_book_writes_are_found(tmp_path):
+    source = ("def f(stats, generations, epoch, row):\n    stats.begin_firing(1)\n    epoch.add_(1)\n"
+              "    generations[row].copy_(epoch)\n    generations[row] = 2\n    generations.sum()\n")
+    path = tmp_path / "books_probe.py"
+    path.write_text(source)
+    assert sorted(_book_writes(path)) == ["begin_firing", "epoch.add_", "generations.copy_", "generations[...] ="]
+
+
+def test_the_firing_sequence_alone_writes_the_books():
+    """Eager firings, buckets, FSDP2 shards, DDP's buckets and the traced operator all write a firing's books through
+    the one firing sequence (fusedhooks/firing/sequence.py); the books' own module (stats/buffer.py) keeps them."""
+    writers = {name: _book_writes(path) for name, path in MODULES.items() if name != "fusedhooks.stats.buffer"}
+    writers = {name: found for name, found in writers.items() if found}
+    assert set(writers) == {"fusedhooks.firing.sequence"}, writers
+    assert set(BOOK_WRITES) <= set(writers["fusedhooks.firing.sequence"])

@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fusedhooks as fh
-from fusedhooks.amp import SAME_BACKWARD_MESSAGE
-from fusedhooks.gates import NESTED_UNDER_COMPILED_AUTOGRAD, NestedCompiledBackwardError
+from fusedhooks.firing.amp import SAME_BACKWARD_MESSAGE
+from fusedhooks.stats.backwards import NESTED_UNDER_COMPILED_AUTOGRAD, NestedCompiledBackwardError
 
 from helpers import check_stats
 

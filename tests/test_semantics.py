@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fusedhooks as fh
-from fusedhooks import runtime
+from fusedhooks.runtime import launcher as runtime
 
 #: registration forms: the default (each gradient at its own firing) and explicit end-of-backward buckets
 MODES = {"default": {}, "buckets": {"bucket_mb": 25}}

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import fusedhooks as fh
-from fusedhooks.tune import tune
+from fusedhooks.cli.tune import tune
 
 USE_CACHE = """
 import json, sys, torch
 import fusedhooks as fh
-from fusedhooks import runtime, tuning
-from fusedhooks.tune import default_hook
+from fusedhooks.runtime import launcher as runtime, tuning
+from fusedhooks.cli.tune import default_hook
 hook = default_hook()
 entry = next(iter(tuning.load()[tuning.device_key(torch.device("cpu"))].values()))
 plan = hook.plan(numel=100_000, dtype=torch.float32, device="cpu")
@@ -69,7 +69,7 @@ def test_tuning_a_body_planned_per_shape_is_refused():
                          ids=["truncated", "list", "not-dicts"])
 def test_an_unreadable_tuning_cache_is_left_out_with_a_warning(contents, tmp_path, monkeypatch):
     """The cache only holds launch configurations: a broken one must not break a backward."""
-    from fusedhooks import tuning
+    from fusedhooks.runtime import tuning
 
     path = tmp_path / "tuning.json"
     path.write_text(contents)
@@ -86,7 +86,7 @@ def test_an_unreadable_tuning_cache_is_left_out_with_a_warning(contents, tmp_pat
 
 
 def test_environment_variables_with_bad_values_are_named(monkeypatch):
-    from fusedhooks import runtime
+    from fusedhooks.runtime import launcher as runtime
 
     monkeypatch.setenv("FUSEDHOOKS_BLOCK", "abc")
     with pytest.raises(ValueError, match="FUSEDHOOKS_BLOCK must be a power of two >= 16, not 'abc'"):

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedhooks as fh
 
-from helpers import FUSED_OPTIMIZERS, assert_close_to, optimizer_state, torch_fp32_norm_rtol
+from helpers import FUSED_OPTIMIZERS, assert_close_to, mlp, optimizer_state, torch_fp32_norm_rtol
 
 STEPS, WARMUP = 40, 10
 SPIKES = (15, 22, 23, 31)  # the loss is multiplied by 50 there (after the warm-up)
@@ -140,8 +140,7 @@ def coef_rtol(ref, total, clip_val, e, max_total, u):
 
 
 def make_model(dtype):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5)).to(dtype)
+    return mlp((13, 7, 5), dtype=dtype)
 
 
 def backward(model, dtype, step, gen, spikes=SPIKES):

@@ -28,8 +28,11 @@ from torch._subclasses import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from triton.backends.compiler import GPUTarget
 
-from fusedhooks import build, codegen, runtime, tuning
-from fusedhooks.plan import make_plan
+from fusedhooks.cli import build
+from fusedhooks.codegen import generate as codegen
+from fusedhooks.compiler.plan import make_plan
+from fusedhooks.runtime import launcher as runtime
+from fusedhooks.runtime import tuning
 
 
 class _Target:

@@ -7,9 +7,9 @@ import math
 import torch
 
 from ..api import GradHook
-from ..clip import clip_grad_norm_
-from ..stats import ScalarSelection, scalars_of
-from ..zclip import ZClip
+from ..clipping.clip import clip_grad_norm_
+from ..clipping.zclip import ZClip
+from ..stats.buffer import ScalarSelection, scalars_of
 
 
 class StepCallbackBase:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from ..api import GradHook
-from ..stats import scalars_of
+from ..stats.buffer import scalars_of
 
 
 def log_to_tensorboard(writer, hook: GradHook, step: int, prefix: str = "grad/", histograms: bool = True) -> dict:

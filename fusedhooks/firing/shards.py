@@ -1,0 +1,177 @@
+"""FSDP2 (`fully_shard`): FSDP calls post-accumulate hooks on the sharded DTensor parameters after its
+reduce-scatter. The body runs on this rank's shard in place; the statistics recorded on the shard are partials
+(`stats_merge.partial_stats`) that one collective per backward (`ShardStats`) merges into the statistics of the whole
+parameter, identical on every rank."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..runtime import launcher
+from ..runtime.process_groups import (
+    all_gather_single,
+    dist_module,
+    holds_reduced,
+    partial_dims,
+    reduce_partial,
+    shard_group,
+)
+from ..stats import backwards
+from ..stats.buffer import HookStats
+from ..stats.merge import merge_partials
+from .registry import Entry
+from .sequence import ShardFiring
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..runtime.compilation import HookCompilation, Workspaces
+
+
+class _PendingMerge:
+    """The sharded parameters that fired in one backward, merged when it ends: the outermost backward, whose nested
+    ones (reentrant activation checkpointing) add their rows to it (`backwards.at_end` holds it)."""
+
+    def __init__(self, shards: ShardStats, task: backwards.GraphTask | None):
+        self.shards = shards
+        self.task = task
+        self.rows: dict[object, set[int]] = {}  # process group -> statistics rows
+
+    def run(self) -> None:
+        self.shards.merge(self.rows)
+
+
+def _partial_row(partials: HookStats, stats: HookStats, row: int, device: torch.device) -> torch.Tensor:
+    """Row `row` of `partials`, whose rows follow the hook's statistics rows `stats` (added up to `row`)."""
+    names = stats.names
+    while len(partials.names) <= row:
+        partials.add_row(names[len(partials.names)], device)
+    return partials.row(row)
+
+
+class ShardLaunch:
+    """The launch of one sharded parameter's shards (`sequence.Launch`), bound at their first firing of a dtype,
+    device, shape and placement: the plan and kernels for shards, the body's closed-over tensors `scalars`, the hook's
+    per-thread `workspaces`, the process group its shards are spread over (`group`) and the mesh dimensions along
+    which its gradient is a partial sum (`partial`, of `mesh`)."""
+
+    __slots__ = ("plan", "kernel", "scalars", "workspaces", "group", "mesh", "partial")
+
+    def __init__(self, plan, kernel, scalars: list[torch.Tensor], workspaces: Workspaces, group, mesh,
+                 partial: list[int]):
+        self.plan, self.kernel, self.scalars, self.workspaces = plan, kernel, scalars, workspaces
+        self.group, self.mesh, self.partial = group, mesh, partial
+
+    def __call__(self, grads: list, params: list, partial_row: torch.Tensor | None, amp: tuple | None) -> None:
+        local, local_param = grads[0], params[0]
+        workspace = self.workspaces.workspace(local.device)
+        if not self.partial:
+            launcher.fire(self.plan, self.kernel, local, local_param, self.scalars, partial_row, workspace)
+            return
+        # a partial sum is never processed as the whole: reduced, processed identically on every rank, and held by
+        # the first rank of the partial dimensions (the others zero), so that torch's later sum is the result
+        whole = reduce_partial(local, self.mesh, self.partial)
+        launcher.fire(self.plan, self.kernel, whole, local_param, self.scalars, partial_row, workspace)
+        if holds_reduced(self.mesh, self.partial):
+            local.copy_(whole)
+        else:
+            local.zero_()
+
+
+class ShardStats:
+    """A hook's statistics of sharded (FSDP2) parameters: each firing records its shard's partials in
+    `partials` (a HookStats of `partial_stats` slots, rows as the hook's); when the backward ends, one
+    all-gather per process group (one in all for FSDP2) brings every rank's partials, and each rank merges them
+    the same way into the hook's statistics rows.
+
+    Handed the hook's parts, never the hook: `stats` (its statistics rows), `compilation` (its plans and kernels for
+    shards, `compilation.shard_stats` the partials they record; the body's scalars), `workspaces` (its per-thread
+    scratch), `check_scalars()` (refuses closed-over tensors the kernels cannot read) and `check_sharded(name, t)`
+    (what a hook cannot do on a sharded parameter, `registration.Registration.check_sharded`)."""
+
+    def __init__(self, stats: HookStats, compilation: HookCompilation, workspaces: Workspaces,
+                 check_scalars: Callable[[], None], check_sharded: Callable[[str, torch.Tensor], None]):
+        self.stats, self.compilation, self.workspaces = stats, compilation, workspaces
+        self.check_scalars, self.check_sharded = check_scalars, check_sharded
+        self.partials = HookStats(*compilation.shard_stats, compilation.hist_range)
+        self._running: weakref.WeakValueDictionary[int, _PendingMerge] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+        self._index: dict[tuple, torch.Tensor] = {}
+        #: the firing sequence of a shard, its statistics written into its row of `partials` (grown to the hook's rows)
+        self.firing = ShardFiring(stats, compilation.scalars, check_scalars,
+                                  functools.partial(_partial_row, self.partials, stats))
+        #: (row, dtype, device, shape, placements, mesh) of a parameter's shards -> their launch (see `_bind`)
+        self._launches: dict[tuple, ShardLaunch] = {}
+
+    def fire(self, entry: Entry, param: torch.Tensor, grad: torch.Tensor, backward_key: int) -> None:
+        """Process this rank's shard of `grad` (a DTensor) in place; record its partials for the merge."""
+        if entry.checked_shape != grad.shape:
+            self.check_sharded(entry.name, param)
+            self.compilation.check_shape(entry.name, grad)
+            entry.checked_shape = grad.shape
+        local, local_param = grad._local_tensor, param._local_tensor
+        key = (entry.row, local.dtype, local.device, local.shape, grad.placements, grad.device_mesh)
+        launch = self._launches.get(key) or self._bind(key, entry, param, grad)
+        self.firing.run(launch.plan, launch, backward_key, [entry], [entry.row], [local], [local_param])
+        if not launch.plan.slots:
+            return
+        if backward_key < 0:  # called by hand: every rank calls it, and it merges now
+            self.merge({launch.group: {entry.row}})
+            return
+        pending = self._running.get(backward_key) or self._pending_merge(backward_key)
+        pending.rows.setdefault(launch.group, set()).add(entry.row)
+
+    def _bind(self, key: tuple, entry: Entry, param: torch.Tensor, grad: torch.Tensor) -> ShardLaunch:
+        """The launch of `entry`'s shards of `grad`'s dtype, device, shape and placement, bound at their first firing
+        (`key`)."""
+        local = grad._local_tensor
+        compiled = self.compilation.compiled(local.dtype, local.device, shard=True, shape=tuple(local.shape))
+        launch = ShardLaunch(compiled.plan, compiled.kernel, self.compilation.scalars, self.workspaces,
+                             shard_group(entry.name, param), grad.device_mesh, partial_dims(entry.name, param, grad))
+        if len(self._launches) > 4096:  # parameters registered again and again: keep it small
+            self._launches.clear()
+        self._launches[key] = launch
+        return launch
+
+    def _pending_merge(self, backward_key: int) -> _PendingMerge:
+        """The merge pending for the backward `backward_key`, in a backward that fires here for the first time: that
+        of the backward it is nested in, or overlaps (one collective per backward), else a new one."""
+        with self._lock:
+            task = backwards.track(backward_key)
+            pending = next((p for p in self._running.values() if backwards.same_backward(p.task)), None)
+            if pending is None:
+                pending = _PendingMerge(self, task)
+                if not backwards.at_end(backward_key, pending.run):  # no backward the process follows: at its own end
+                    torch.autograd.Variable._execution_engine.queue_callback(pending.run)
+            self._running[backward_key] = pending
+            return pending
+
+    def merge(self, rows_by_group: dict[object, set[int]]) -> None:
+        """One all-gather of the partial rows per process group; every rank merges them into the same values."""
+        stats = self.stats
+        for group, rows in rows_by_group.items():
+            rows = sorted(rows)
+            device = stats.tensor.device
+            key = (device, tuple(rows))
+            index = self._index.get(key)
+            if index is None:
+                if len(self._index) > 64:
+                    self._index.clear()
+                index = self._index[key] = launcher.host_to_device(rows, torch.int64, device)
+            part = self.partials.tensor.index_select(0, index)
+            if group is None:
+                ranks = 1
+                gathered = part
+            else:
+                dist = dist_module()
+                ranks = dist.get_world_size(group)
+                gathered = torch.empty((ranks * len(rows), part.shape[1]), dtype=part.dtype, device=device)
+                all_gather_single(dist)(gathered, part, group=group)
+            merged = merge_partials(gathered.view(ranks, len(rows), -1), self.partials.slot_names,
+                                    stats.slot_names)
+            stats.tensor.index_copy_(0, index, merged)
