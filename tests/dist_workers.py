@@ -1,4 +1,4 @@
-"""What each rank runs in tests/test_distributed.py (a module of its own: spawned processes import it).
+"""What each rank runs in tests/registration/test_distributed.py (a module of its own: spawned processes import it).
 
 Each worker checks its rank's results against a plain-torch reference built on the same rank (an unwrapped
 copy of the model, gradients averaged with `dist.all_reduce`) and raises AssertionError on any difference.
@@ -515,10 +515,11 @@ def zclip_distributed(rank: int, world: int, device) -> None:
     """fh.zclip on a DDP and an FSDP2 model: the total norm is the whole model's (of the averaged gradients), spikes
     and the clipped gradients (this rank's shards) follow ZClip's published rule applied to the averaged gradients of
     an unwrapped copy, and the state is the same on every rank."""
-    from test_zclip import PublishedZClip
     from torch.distributed.fsdp import fully_shard
 
     import fusedhooks as fh
+
+    from helpers import PublishedZClip
 
     for kind in ("ddp", "fsdp2"):
         base = _fsdp_mlp(device)

@@ -1,8 +1,15 @@
 """Shared oracles and tolerances for the tests."""
 
+import math
+from pathlib import Path
+
 import torch
 
+from fusedhooks.runtime import launcher
 from fusedhooks.runtime.reference import tensor_stats
+
+#: the repository's root
+ROOT = Path(__file__).resolve().parent.parent
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -251,3 +258,109 @@ def assert_same(got, expected, grads_rtol: float = 0.0):
             else:
                 assert torch.equal(grads[name], egrads[name]), name
         assert_same_stats(stats, estats, grads_rtol)
+
+
+def count_launches(monkeypatch) -> list:
+    """Wrap the runtime's launcher; returns the list of (kernel name, grid) it is called with."""
+    launches = []
+    real_launch = launcher.launch
+
+    def counting_launch(kernel, grid, *args, **meta):
+        launches.append((kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__, grid))
+        return real_launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(launcher, "launch", counting_launch)
+    return launches
+
+
+class PublishedZClip:
+    """ZClip's rule as published (github.com/bluorion-com/ZClip, zclip/zclip.py at e42cdd1), line by line, in
+    Python floats (float64), on a list of parameters instead of a model; the total norm is computed in float64. The
+    one addition, fusedhooks' documented deviation, is marked: a non-finite norm is left out of the warm-up and a
+    non-finite EMA input leaves the EMA alone."""
+
+    def __init__(self, alpha=0.97, z_thresh=2.5, max_grad_norm=1.0, eps=1e-6, warmup_steps=25, mode="zscore",
+                 clip_option="adaptive_scaling", clip_factor=1.0, skip_update_on_spike=False):
+        self.alpha, self.z_thresh, self.max_grad_norm, self.eps = alpha, z_thresh, max_grad_norm, eps
+        self.warmup_steps, self.mode, self.clip_factor = warmup_steps, mode, clip_factor
+        self.skip_update_on_spike = skip_update_on_spike
+        self.clip_option = clip_option if mode == "zscore" else None
+        self.buffer, self.initialized, self.mean, self.var = [], False, None, None
+        self.last_z = None  # for the test's conditioning check
+
+    def _initialize_ema(self):
+        self.mean = sum(self.buffer) / len(self.buffer)
+        self.var = sum((x - self.mean) ** 2 for x in self.buffer) / len(self.buffer)
+        self.initialized = True
+        self.buffer = []
+
+    def _update_ema(self, grad_norm):
+        if not math.isfinite(grad_norm):  # fusedhooks' deviation
+            return
+        self.mean = self.alpha * self.mean + (1 - self.alpha) * grad_norm
+        self.var = self.alpha * self.var + (1 - self.alpha) * (grad_norm - self.mean) ** 2
+
+    def _compute_positive_zscore(self, grad_norm):
+        std = self.var ** 0.5
+        z = (grad_norm - self.mean) / (std + self.eps)
+        return z, std
+
+    @staticmethod
+    def _compute_grad_norm(params):
+        grad_norms = [p.grad.double().norm(2) for p in params if p.grad is not None]
+        return torch.sqrt(torch.sum(torch.pow(torch.stack(grad_norms), 2))).item()
+
+    def _compute_clip_val(self, grad_norm):
+        std = self.var ** 0.5
+        if self.mode == "percentile":
+            threshold = self.mean + self.z_thresh * std
+            self.last_z = (grad_norm - self.mean) / std
+            if grad_norm > threshold:
+                return threshold
+        elif self.mode == "zscore":
+            z, std = self._compute_positive_zscore(grad_norm)
+            self.last_z = z
+            if z > self.z_thresh:
+                if self.clip_option == "adaptive_scaling":
+                    eta = z / self.z_thresh
+                    threshold = self.mean + (self.z_thresh * std) / eta
+                    threshold = threshold * self.clip_factor
+                elif self.clip_option == "mean":
+                    threshold = self.mean
+                return threshold
+        return None
+
+    @staticmethod
+    def apply_in_place_clipping(params, global_norm, max_global_norm):
+        clip_coef = (max_global_norm / (global_norm + 1e-6)) if global_norm > max_global_norm else 1.0
+        if clip_coef < 1.0:
+            for param in params:
+                if param.grad is not None:
+                    param.grad.data.mul_(clip_coef)
+
+    def _apply_clipping(self, params, clip_val, total_norm):
+        adaptive_clip = clip_val if clip_val is not None else total_norm
+        if self.max_grad_norm is not None:
+            effective_clip = min(adaptive_clip, self.max_grad_norm)
+        else:
+            effective_clip = adaptive_clip
+        self.apply_in_place_clipping(params, total_norm, effective_clip)
+        return effective_clip
+
+    def step(self, params):
+        """Returns (total norm, the clip value: None when no spike or in the warm-up)."""
+        total_norm = self._compute_grad_norm(params)
+        if not self.initialized:
+            if math.isfinite(total_norm):  # fusedhooks' deviation
+                self.buffer.append(total_norm)
+            if len(self.buffer) >= max(self.warmup_steps, 1):  # ZClip: >= warmup_steps, after one append at least
+                self._initialize_ema()
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            return total_norm, None
+        clip_val = self._compute_clip_val(total_norm)
+        self._apply_clipping(params, clip_val, total_norm)
+        if clip_val is not None and self.skip_update_on_spike:
+            return total_norm, clip_val
+        self._update_ema(clip_val if clip_val is not None else total_norm)
+        return total_norm, clip_val

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
+
 WORKLOADS = ("model", "clip_scale", "clip_stats", "normalize", "amp_clip")
 PROVIDERS = ("fusedhooks", "fusedhooks buckets", "eager", "eager+item", "torch built-in", "torch.compile", "no hook")
 FIELDS = ("workload", "provider", "dtype", "numel", "status", "reason", "median_us", "p20_us", "p80_us",
@@ -279,3 +280,53 @@ def test_stats_cost_times_each_statistics_subset(tmp_path):
         assert kernels == ["copy", *(name for name, _, _ in SUBSETS)]
         assert all(r["us"] > 0 for r in rows if r["dtype"] == dtype)
     assert proc.stdout.count("| fp32 |") == len(SUBSETS) + 1
+
+
+def test_sass_model_counts_by_pipe_and_takes_the_largest_time():
+    """benchmarks/sass_model.py's arithmetic on a hand-written SASS listing: opcodes by pipe (predicates, modifiers
+    and NOPs aside), each pipe's clocks per program at its rate, the memory time at the copy's bandwidth."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sass_model
+
+    sass = """
+        /*0000*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0010*/                   LOP3.LUT R6, R4, 0xffff0000, RZ, 0xc0, !PT ;
+        /*0020*/              @!P0 FMNMX.NAN R7, R6, -1, !PT ;
+        /*0030*/                   FMUL R8, R7, 0.5 ;
+        /*0040*/                   DADD R10, R10, R12 ;
+        /*0050*/                   F2FP.BF16.F32.PACK_AB R9, R8, R8 ;
+        /*0060*/                   NOP ;
+        /*0070*/                   STG.E.128 desc[UR4][R2.64], R4 ;
+    """
+    ops = sass_model.opcodes(sass)
+    assert ops == ["LDG", "LOP3", "FMNMX", "FMUL", "DADD", "F2FP", "NOP", "STG"]
+    counts = sass_model.pipe_counts(ops)
+    assert counts == {"other": 2, "alu": 2, "fp32": 1, "fp64": 1, "conversion": 1, "issued": 7}
+    gpu = sass_model.Gpu("test", 90, 1, 1.0, 4.0, "a unit GPU: one SM at 1 Hz, 4 bytes/s")
+    # one warp of 32 threads, 32 elements a program: a pipe at rate R takes 32 * count / R clocks per program
+    p = sass_model.predict(counts, gpu, block=32, warps=1, bytes_per_element=4)
+    assert p["by"]["alu"] == 2 / 64 and p["by"]["fp64"] == 1 / 64 and p["by"]["conversion"] == 1 / 16
+    assert p["by"]["issue"] == 7 / 4 / 32 and p["by"]["memory"] == 1.0
+    assert p["bound"] == "memory" and p["copy_ratio"] == 1.0
+    slow = sass_model.Gpu("test", 90, 1, 1.0, 400.0, "the same with 100 times the bandwidth")
+    p = sass_model.predict(counts, slow, block=32, warps=1, bytes_per_element=4)
+    assert p["bound"] == "conversion" and p["copy_ratio"] == (4 / 400) / (1 / 16)
+
+
+def test_sass_model_predicts_the_stats_cost_rows(tmp_path):
+    """benchmarks/sass_model.py end to end, without a GPU: every stats_cost.py row compiled for sm_90, its SASS read and
+    a time predicted, never faster than the copy, statistics costing more than none."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "model.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_model.py"), "--gpus", "H200", "--dtypes",
+                           "bf16", "--json", str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from stats_cost import SUBSETS
+    assert [r["kernel"] for r in rows] == [name for name, _, _ in SUBSETS]
+    for r in rows:
+        h200 = r["gpus"]["H200"]
+        assert h200["time_over_copy"] >= 1.0 and h200["counts"]["issued"] > 0, r
+    by_kernel = {r["kernel"]: r["gpus"]["H200"]["time_over_copy"] for r in rows}
+    assert by_kernel["+ all 13 statistics"] > by_kernel["clip + scale, no statistics"]

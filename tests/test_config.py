@@ -8,7 +8,7 @@ import pytest
 
 from fusedhooks import config
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
 
 
 def _sources() -> list[Path]:

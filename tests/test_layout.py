@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
+
 KERNEL_MODULES = ("elementwise", "multi_tensor", "stats", "units")
 
 

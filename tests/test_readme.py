@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 #: warnings that third-party packages emit on their own, whoever calls them: (category, message pattern, why)

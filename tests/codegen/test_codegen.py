@@ -5,6 +5,7 @@ import torch
 import fusedhooks as fh
 from fusedhooks.codegen import kernel_cache
 
+from helpers import count_launches
 from test_ops import fire
 
 
@@ -48,19 +49,6 @@ def test_offsets_are_int64():
     src = fh.grad_hook(clip, stats="all").source(torch.bfloat16)
     assert "pid = tl.program_id(0).to(tl.int64)" in src
     assert "offs = pid * BLOCK + tl.arange(0, BLOCK)" in src
-
-
-def count_launches(monkeypatch) -> list:
-    """Wrap the runtime's launcher; returns the list of (kernel name, grid) it is called with."""
-    launches = []
-    real_launch = fh.runtime.launcher.launch
-
-    def counting_launch(kernel, grid, *args, **meta):
-        launches.append((kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__, grid))
-        return real_launch(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(fh.runtime.launcher, "launch", counting_launch)
-    return launches
 
 
 def test_one_launch_for_body_and_statistics(monkeypatch):

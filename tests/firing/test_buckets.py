@@ -4,11 +4,12 @@ import math
 
 import pytest
 import torch
-from test_codegen import count_launches
 from torch.utils.checkpoint import checkpoint
 
 import fusedhooks as fh
 from fusedhooks.testing import GPT2Config, gpt2, synthetic_batch
+
+from helpers import count_launches
 
 
 def clip(grad):

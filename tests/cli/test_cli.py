@@ -6,14 +6,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from fusedhooks.__main__ import main
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
 
 
 def _benchmark_args():

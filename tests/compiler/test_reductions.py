@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from test_codegen import count_launches
 
 import fusedhooks as fh
 
-from helpers import FLOAT_DTYPES, REDUCTION_RTOL, assert_close_to, assert_same_bits, assert_same_values
+from helpers import FLOAT_DTYPES, REDUCTION_RTOL, assert_close_to, assert_same_bits, assert_same_values, count_launches
 from test_ops import eager_expected, fire, special_values
 
 

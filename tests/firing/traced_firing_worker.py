@@ -1,5 +1,5 @@
 """Traces `runtime.fire_traced` on fake CUDA tensors, without a GPU, for every kernel family of `fusedhooks build`
-(tests/test_traced_firing.py runs it in a process without TRITON_INTERPRET: with it, triton.jit makes interpreter
+(tests/firing/test_traced_firing.py runs it in a process without TRITON_INTERPRET: with it, triton.jit makes interpreter
 functions, which wrap_triton launches directly instead of tracing).
 
 For each family, dtype and gradient size, `make_fx` records the firing; the graph must hold the kernels `fire`

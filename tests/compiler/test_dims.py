@@ -10,12 +10,11 @@ import warnings
 
 import pytest
 import torch
-from test_codegen import count_launches
 
 import fusedhooks as fh
 from fusedhooks.compiler.trace import CompileError
 
-from helpers import REDUCTION_RTOL, assert_close_to, assert_same_values, timm_agc_
+from helpers import REDUCTION_RTOL, assert_close_to, assert_same_values, count_launches, timm_agc_
 
 BACKENDS = ["eager", "reference", "triton", "auto"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -1,7 +1,7 @@
 """The CUDA branch of `runtime.fire_traced` (fusedhooks::firing under torch.compile), checked without a GPU: traced on
-fake CUDA tensors for every kernel family (tests/traced_firing_worker.py, in a process without TRITON_INTERPRET), the
-graph holds `fire`'s kernels through wrap_triton with in-graph workspaces, and torch's TTIR analysis finds what they
-write. Running them is left to the GPU tests (tests/test_compile_cuda.py)."""
+fake CUDA tensors for every kernel family (traced_firing_worker.py beside this file, in a process without
+TRITON_INTERPRET), the graph holds `fire`'s kernels through wrap_triton with in-graph workspaces, and torch's TTIR
+analysis finds what they write. Running them is left to the GPU tests (tests/firing/test_compile_cuda.py)."""
 
 import os
 import pathlib

@@ -291,7 +291,7 @@ def test_reduce_overhead_steps_with_hooks_match_eager_cuda():
     """torch.compile(mode="reduce-overhead") with compiled autograd, over several steps with new inputs: each firing
     is traced (fusedhooks::firing, no Python books) and replayed in the CUDA graph with the device books it writes;
     gradients within inductor's rounding of eager, statistics fresh at each step. Written before a GPU ran it (see
-    also tests/test_compile_cuda.py)."""
+    also tests/firing/test_compile_cuda.py)."""
     def run(compiled: bool):
         torch._dynamo.reset()
         torch.manual_seed(0)

@@ -8,7 +8,7 @@ import torch
 
 import fusedhooks as fh
 
-from helpers import FLOAT_DTYPES, FUSED_OPTIMIZERS, RaisingBackward, assert_same_values, mlp, optimizer_state
+from helpers import FLOAT_DTYPES, FUSED_OPTIMIZERS, ROOT, RaisingBackward, assert_same_values, mlp, optimizer_state
 
 
 def make_model():
@@ -184,7 +184,6 @@ def test_torch_unscale_then_clip_grad_norm_reads_the_unscaled_norms(backend, buc
 def test_importing_fusedhooks_patches_nothing_in_torch_until_a_statistics_hook_is_made():
     """In a fresh interpreter: GradScaler's attributes are the same objects after `import fusedhooks`; the first hook
     recording statistics (which fh.clip_grad_norm_ may read after scaler.unscale_) wraps _unscale_grads_."""
-    import os
     import subprocess
     import sys
 
@@ -199,8 +198,8 @@ def test_importing_fusedhooks_patches_nothing_in_torch_until_a_statistics_hook_i
         fh.grad_hook(stats=("norm",))
         assert vars(GradScaler)["_unscale_grads_"] is not before["_unscale_grads_"]
     """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # this checkout's fusedhooks
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)  # this checkout's fusedhooks
     assert result.returncode == 0, result.stderr
 
 
