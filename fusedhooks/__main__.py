@@ -15,17 +15,28 @@ import os
 import sys
 
 
+def _whole_number(text: str, takes: str) -> int:
+    """`text` as an int, else argparse.ArgumentTypeError saying what the argument `takes` (argparse names the
+    argument: "argument --steps: takes ...")."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes {takes}, not {text!r}") from None
+
+
 def _steps(text: str) -> int:
-    steps = int(text)
+    takes = "a whole number of steps >= 1"
+    steps = _whole_number(text, takes)
     if steps < 1:
-        raise argparse.ArgumentTypeError(f"takes a number of steps >= 1, not {steps}")
+        raise argparse.ArgumentTypeError(f"takes {takes}, not {steps}")
     return steps
 
 
 def _warps(text: str) -> int:
-    warps = int(text)
+    takes = "a power of two (1, 2, 4, 8, ...)"
+    warps = _whole_number(text, takes)
     if warps < 1 or warps & (warps - 1):
-        raise argparse.ArgumentTypeError(f"takes a power of two (1, 2, 4, 8, ...), not {warps}")
+        raise argparse.ArgumentTypeError(f"takes {takes}, not {warps}")
     return warps
 
 

@@ -167,7 +167,7 @@ class AdaptiveClipStats:
         """{parameter name: ParamStats {"norm", "input.norm", "norm_ema", "step"}} of every parameter processed
         since registration or reset(); `fresh` / `stale` as HookStats.read()'s. One sync per parameter."""
         clip = self._clip
-        out = StatsReading()
+        out = StatsReading(self.names)
         for name, hook in clip._hooks.items():
             recorded = hook.stats.read().get(name)
             if recorded is None:

@@ -16,7 +16,10 @@ class StepCallbackBase:
     """A hook run once per optimizer step by a framework's callback: `max_grad_norm` (clip by the global norm from
     the norms the hook recorded), `log_every` (optimizer steps between logs; None: `default_cadence`, the
     framework's own), `prefix` of the logged keys, `norm_type` of the clip; `stats`, `params`, `top_k`: what is
-    logged, as in `hook.stats.to_scalars` (None: everything); `spike_guard`: an `fh.zclip(hook, ...)` guard that
+    logged, as in `hook.stats.to_scalars`; with none of them, a summary of as many keys for any model
+    (`to_scalars(summary=True)`: the global norm, the largest absmax and its parameter, NaN/Inf totals, how many
+    gradients the body shrank); `params="*"` logs every statistic of every parameter; `spike_guard`: an
+    `fh.zclip(hook, ...)` guard that
     clips (or skips the step) at each optimizer step instead of `max_grad_norm` (its own max_grad_norm= caps it).
     Either way, a fused optimizer gets the coefficient folded into its step (no pass over the gradients)."""
 
@@ -48,7 +51,8 @@ class StepCallbackBase:
         if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
             raise ValueError(f"log_every= takes a number of optimizer steps >= 1 (None: {self.default_cadence}), "
                              f"not {log_every!r}")
-        self.selection = ScalarSelection(stats, params, top_k)
+        summary = stats is None and params is None and top_k is None
+        self.selection = ScalarSelection(stats, params, top_k, summary=summary)
         self.selection.check_stats(hook.stats.slot_names)
         self.hook, self.max_grad_norm, self.log_every = hook, max_grad_norm, log_every
         self.spike_guard = spike_guard

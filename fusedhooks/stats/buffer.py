@@ -23,7 +23,12 @@ class ParamStats(dict):
 
 class StatsReading(dict):
     """What `HookStats.read()` returns: {parameter name: ParamStats}; `stale` lists the parameters whose rows
-    were not written by the most recent backward in which the hook fired."""
+    were not written by the most recent backward in which the hook fired; `names` every registered parameter, in
+    registration order (those that have not fired too)."""
+
+    def __init__(self, names: list[str] = ()):
+        super().__init__()
+        self.names = list(names)
 
     @property
     def stale(self) -> list[str]:
@@ -38,14 +43,23 @@ class ScalarSelection:
     top_k: None: every selected parameter; k >= 0: a summary, `total_norm` (the L2 norm of the selected gradients,
     from their recorded norms) and the statistics of the k selected parameters with the largest norms (a NaN norm
     counts as the largest), largest first.
+    summary: a fixed set of scalars over the selected parameters, as many for any model (no per-parameter keys):
+    `total_norm` (L2, from the recorded norms), `absmax` (the largest absmax; a NaN counts as the largest) and
+    `absmax_index` (its parameter's index in `names`, registration order: stable keys, whichever parameter it is), the
+    totals `nan`, `inf` (and `input.nan`, `input.inf`), and `shrunk`, how many gradients the body left with a smaller
+    absmax than they came with (clipped or scaled down); each where the hook records what it needs.
     """
 
-    def __init__(self, stats=None, params=None, top_k: int | None = None):
+    def __init__(self, stats=None, params=None, top_k: int | None = None, summary: bool = False):
         self.stats = _names(stats, "stats")
         self.params = _names(params, "params")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
             raise ValueError(f"top_k= takes a number of parameters >= 0 (None: every parameter), not {top_k!r}")
+        if summary and (self.stats is not None or top_k is not None):
+            raise ValueError("the summary is a fixed set of scalars: select with stats= or top_k=, or summarise "
+                             "(params= chooses the parameters either way)")
         self.top_k = top_k
+        self.summary = summary
 
     def check_stats(self, slot_names: tuple[str, ...]) -> None:
         """Refuse statistics the hook (whose row layout is `slot_names`) does not record, and a summary without
@@ -80,6 +94,8 @@ class ScalarSelection:
         """The selected scalars of `reading`'s fresh rows, histograms left out."""
         rows = [(name, row) for name, row in reading.items() if row.fresh and
                 (self.params is None or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.params))]
+        if self.summary:
+            return _summary(rows, prefix, reading.names)
         out = {}
         if self.top_k is not None and rows:
             out[f"{prefix}total_norm"] = math.sqrt(math.fsum(row["norm"] ** 2 for _, row in rows))
@@ -88,6 +104,25 @@ class ScalarSelection:
         out.update((f"{prefix}{name}/{stat}", value) for name, row in rows for stat, value in row.items()
                    if not stat.endswith("hist") and (self.stats is None or stat in self.stats))
         return out
+
+
+def _summary(rows: list[tuple[str, ParamStats]], prefix: str, names: list[str]) -> dict[str, float | int]:
+    """ScalarSelection's summary of the (name, row) `rows` of the parameters `names` (see its docstring)."""
+    if not rows:
+        return {}
+    out = {}
+    recorded = rows[0][1].keys()
+    if "norm" in recorded:
+        out[f"{prefix}total_norm"] = math.sqrt(math.fsum(row["norm"] ** 2 for _, row in rows))
+    if "absmax" in recorded:
+        name, row = max(rows, key=lambda item: math.inf if math.isnan(item[1]["absmax"]) else item[1]["absmax"])
+        out[f"{prefix}absmax"], out[f"{prefix}absmax_index"] = row["absmax"], names.index(name)
+    for stat in ("nan", "inf", "input.nan", "input.inf"):
+        if stat in recorded:
+            out[f"{prefix}{stat}"] = sum(row[stat] for _, row in rows)
+    if "absmax" in recorded and "input.absmax" in recorded:
+        out[f"{prefix}shrunk"] = sum(row["absmax"] < row["input.absmax"] for _, row in rows)
+    return out
 
 
 def _names(value, option: str) -> tuple[str, ...] | None:
@@ -259,7 +294,7 @@ class HookStats:
 
         Each value is a ParamStats dict whose `fresh` attribute tells whether the most recent backward in
         which the hook fired wrote it; the result's `stale` lists those it did not."""
-        out = StatsReading()
+        out = StatsReading(self.names)
         if self.buffer is None or not self.slot_names:
             return out
         values = self.buffer.tolist()
@@ -278,8 +313,8 @@ class HookStats:
                 out[name] = entry
         return out
 
-    def to_scalars(self, prefix: str = "grad/", stats=None, params=None,
-                   top_k: int | None = None) -> dict[str, float | int]:
+    def to_scalars(self, prefix: str = "grad/", stats=None, params=None, top_k: int | None = None,
+                   summary: bool = False) -> dict[str, float | int]:
         """The statistics as one flat dict of numbers, for loggers (TensorBoard, W&B, Trainer's logs); one sync.
 
         Keys `f"{prefix}{parameter}/{statistic}"` (`"grad/fc.weight/norm"`, `"grad/fc.weight/input.norm"`), in
@@ -290,9 +325,12 @@ class HookStats:
         Selection (`ScalarSelection`): `stats=` only these statistics ("norm", "input.max"), `params=` only the
         parameters whose names match these fnmatch patterns ("encoder.*"), `top_k=k` a summary: `f"{prefix}total_norm"`
         (L2, over the selected parameters) first, then the statistics of the k selected parameters with the largest
-        norms, largest first. A statistic the hook does not record, or a pattern that matches no registered
-        parameter, is refused (ValueError)."""
-        selection = ScalarSelection(stats, params, top_k)
+        norms, largest first; `summary=True` a fixed set of scalars whatever the model's size (`total_norm`, the
+        largest absmax and its parameter's index in `names`, NaN/Inf totals, how many gradients the body shrank: see
+        ScalarSelection). A
+        statistic the hook does not record, or a pattern that matches no registered parameter, is refused
+        (ValueError)."""
+        selection = ScalarSelection(stats, params, top_k, summary)
         selection.check(self.slot_names, self.names)
         return selection.scalars(self.read(), prefix)
 

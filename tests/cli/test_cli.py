@@ -27,9 +27,13 @@ def _benchmark_args():
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["demo", "--steps", "0"], "steps >= 1"),
+    (["demo", "--steps", "0"], "argument --steps: takes a whole number of steps >= 1, not 0"),
+    (["demo", "--steps", "abc"], "argument --steps: takes a whole number of steps >= 1, not 'abc'"),
+    (["demo", "--steps", "2.5"], "argument --steps: takes a whole number of steps >= 1, not '2.5'"),
     (["demo", "--device", "tpu"], "demo --device"),
-    (["build", "--num-warps", "3"], "power of two"),
+    (["demo", "--backend", "fast"], "argument --backend: invalid choice: 'fast'"),
+    (["build", "--num-warps", "3"], "argument --num-warps: takes a power of two (1, 2, 4, 8, ...), not 3"),
+    (["build", "--num-warps", "many"], "argument --num-warps: takes a power of two (1, 2, 4, 8, ...), not 'many'"),
     (["build", "--json", "{file}/x.json"], "not a writable directory"),
     (["tune", "--out", "{file}/x.json"], "not a writable directory"),
     (["tune", "--sizes", "abc", "--quick"], "--sizes"),
@@ -45,6 +49,7 @@ def test_fusedhooks_command_refuses_bad_arguments(argv, message, capsys, tmp_pat
         main([arg.format(file=a_file) for arg in argv])
     text = str(exit_.value.code) if isinstance(exit_.value.code, str) else capsys.readouterr().err
     assert exit_.value.code != 0 and message in text, text
+    assert "invalid _" not in text  # argparse names a type function it was not told about: never a private name
 
 
 @pytest.mark.parametrize(("argv", "message"), [

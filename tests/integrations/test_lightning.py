@@ -60,7 +60,7 @@ def test_clipping_equals_gradient_clip_val(tmp_path, accumulate, precision):
     _, reference = _fit(tmp_path / "ref", gradient_clip_val=1.0, accumulate_grad_batches=accumulate,
                         precision=precision)
     hook = fh.grad_hook(stats=("norm", "absmax", "nan"))
-    callback = FusedHooksCallback(hook, max_grad_norm=1.0)
+    callback = FusedHooksCallback(hook, max_grad_norm=1.0, params="*")
     trainer, module = _fit(tmp_path / "fh", [callback], accumulate_grad_batches=accumulate, log_every_n_steps=1,
                            precision=precision)
     assert len(module.grads_at_step) == len(reference.grads_at_step) == (5 if accumulate == 1 else 3)
@@ -185,7 +185,8 @@ def test_statistics_reach_the_logger_on_their_steps(tmp_path, log_every, expecte
     module = Regression()
     logger = CSVLogger(str(tmp_path), name="csv")
     trainer = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=1, accelerator="cpu", devices=1,
-                         callbacks=[FusedHooksCallback(hook, log_every=log_every)], enable_progress_bar=False,
+                         callbacks=[FusedHooksCallback(hook, log_every=log_every, params="*")],
+                         enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, logger=logger,
                          log_every_n_steps=1 if log_every else 3)
     trainer.fit(module, _loader(6))
@@ -304,3 +305,18 @@ def test_float64_with_a_fused_optimizer_is_scaled_in_place(tmp_path):
     for p, q in zip(module.parameters(), reference.parameters()):
         assert p.dtype == torch.float64
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
+def test_the_default_log_is_a_summary_of_as_many_keys_for_any_model(tmp_path):
+    """Without stats=, params= or top_k= the callback logs a summary whose size does not grow with the model (the
+    global norm, the largest absmax and its parameter's index, NaN/Inf totals, how many gradients the body shrank)."""
+    hook = fh.grad_hook(lambda grad: grad.clamp(-0.01, 0.01), stats=("norm", "absmax", "nan"), input_stats=("absmax",))
+    trainer, module = _fit(tmp_path, [FusedHooksCallback(hook)], batches=2, log_every_n_steps=1)
+    metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("grad/")}
+    assert set(metrics) == {"grad/total_norm", "grad/absmax", "grad/absmax_index", "grad/nan", "grad/shrunk"}
+    recorded = hook.stats.read()
+    assert metrics["grad/total_norm"].item() == pytest.approx(
+        math.sqrt(math.fsum(row["norm"] ** 2 for row in recorded.values())), rel=1e-12)
+    largest = hook.stats.names[int(metrics["grad/absmax_index"].item())]
+    assert metrics["grad/absmax"].item() == recorded[largest]["absmax"] == max(r["absmax"] for r in recorded.values())
+    assert metrics["grad/nan"].item() == 0 and metrics["grad/shrunk"].item() >= 1

@@ -64,7 +64,7 @@ class CountFirings(TrainerCallback):
 def test_clipping_equals_trainers_own(tmp_path, accumulation):
     reference, reference_model = _train(tmp_path / "ref", 1.0, accumulation)
     hook = fh.grad_hook(stats=("norm", "max", "nan"))
-    callback = FusedHooksCallback(hook, max_grad_norm=1.0)
+    callback = FusedHooksCallback(hook, max_grad_norm=1.0, params="*")
     trainer, model = _train(tmp_path / "fh", 0.0, accumulation, [callback])
     # The total norm is Trainer's within Trainer's own rounding: fusedhooks' per-parameter norms are correctly
     # rounded from float64 sums, torch's foreach norms accumulate in float32 lanes (processor-dependent bits), so
@@ -160,7 +160,7 @@ def test_statistics_are_those_of_the_accumulated_gradient(tmp_path):
             seen[state.global_step + 1] = {n: (p.grad.double().norm().item(), p.grad.double().sum().item())
                                            for n, p in model.named_parameters()}
 
-    trainer, model = _train(tmp_path, 0.0, 2, [FusedHooksCallback(hook), Measure()], max_steps=3)
+    trainer, model = _train(tmp_path, 0.0, 2, [FusedHooksCallback(hook, params="*"), Measure()], max_steps=3)
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert [e["step"] for e in logged] == [1, 2, 3]
     for entry in logged:
@@ -189,7 +189,7 @@ def test_hook_fires_once_per_optimizer_step_with_an_uneven_last_step(tmp_path):
 
 def test_log_every_logs_on_its_own_steps(tmp_path):
     hook = fh.grad_hook(stats=("norm",))
-    trainer, _ = _train(tmp_path, 0.0, 1, [FusedHooksCallback(hook, log_every=2)], log_every=5)
+    trainer, _ = _train(tmp_path, 0.0, 1, [FusedHooksCallback(hook, log_every=2, params="*")], log_every=5)
     with_stats = [e["step"] for e in trainer.state.log_history if "grad/transformer.wte.weight/norm" in e]
     assert with_stats == [2, 4]
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [2, 4, 5]
@@ -201,7 +201,7 @@ def test_logged_statistics_are_selected(tmp_path):
     layer0, summary, everything = (fh.grad_hook(stats=("norm", "absmax")) for _ in range(3))
     callbacks = [FusedHooksCallback(layer0, stats="norm", params=["transformer.h.0.*", "*.wpe.*"], prefix="h0/"),
                  FusedHooksCallback(summary, stats="norm", top_k=2, prefix="top/"),
-                 FusedHooksCallback(everything)]
+                 FusedHooksCallback(everything, params="*")]
     trainer, model = _train(tmp_path, 0.0, 1, callbacks, max_steps=2)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     rtol = torch_fp32_norm_rtol(p.numel() for p in model.parameters())
@@ -256,7 +256,7 @@ def test_report_to_callbacks_see_the_statistics_when_it_runs_first(tmp_path, mon
                              optim="sgd", max_grad_norm=0.0, logging_steps=1, report_to=["tensorboard"],
                              save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
     trainer = Trainer(model=_model(), args=args, train_dataset=TokenDataset(8))
-    callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0)
+    callback = FusedHooksCallback(fh.grad_hook(stats=("norm",)), max_grad_norm=1.0, params="*")
     trainer.callback_handler.callbacks.insert(0, callback)
     trainer.train()
     acc = EventAccumulator(str(tmp_path / "tb"))
@@ -300,7 +300,7 @@ def test_trainer_subclass_reads_no_gradient_for_its_grad_norm_log(tmp_path):
 def test_a_failed_train_is_followed_by_a_clean_registration(tmp_path):
     """Trainer calls no callback when train() raises: the next train() registers the hook on its own model."""
     hook = fh.grad_hook(stats=("norm",))
-    callback = FusedHooksCallback(hook)
+    callback = FusedHooksCallback(hook, params="*")
 
     class Boom(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -371,7 +371,7 @@ def test_reentrant_checkpointing_with_accumulation_equals_trainers_own(tmp_path)
                                            for n, p in model.named_parameters() if p.requires_grad}
 
     hook = fh.grad_hook(stats=("norm", "sum"))
-    callback = FusedHooksCallback(hook, max_grad_norm=1.0)
+    callback = FusedHooksCallback(hook, max_grad_norm=1.0, params="*")
     processed = record_processing(hook)
     trainer, trained = _train(tmp_path / "fh", 0.0, 2, [Measure(), callback], max_steps=steps, model=model(),
                               **checkpointing)
@@ -394,3 +394,24 @@ def test_reentrant_checkpointing_with_accumulation_equals_trainers_own(tmp_path)
     for (name, p), q in zip(trained.named_parameters(), reference_model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
     assert callback._handle is None and len(hook.registry) == 0
+
+
+@pytest.mark.parametrize("layers", [1, 3], ids=["1-layer", "3-layers"])
+def test_the_default_log_is_a_summary_of_as_many_keys_for_any_model(tmp_path, layers):
+    """Without stats=, params= or top_k= the callback logs a summary whose size does not grow with the model: the
+    global norm, the largest absmax and its parameter's index, NaN/Inf totals and how many gradients the body shrank
+    (`params="*"` logs every parameter's statistics)."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=layers, n_head=2))
+    hook = fh.grad_hook(lambda grad: grad.clamp(-0.01, 0.01), stats=("norm", "absmax", "nan", "inf"),
+                        input_stats=("absmax",))
+    trainer, model = _train(tmp_path, 0.0, 1, [FusedHooksCallback(hook)], max_steps=2, model=model)
+    names = {n for n, _ in model.named_parameters()}
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 2
+    for entry in logged:
+        keys = {k for k in entry if k.startswith("grad/")}
+        assert keys == {"grad/total_norm", "grad/absmax", "grad/absmax_index", "grad/nan", "grad/inf", "grad/shrunk"}
+        assert hook.stats.names[entry["grad/absmax_index"]] in names and 0 < entry["grad/absmax"] <= 0.01
+        assert entry["grad/nan"] == entry["grad/inf"] == 0 and 0 < entry["grad/shrunk"] <= len(names)
+        assert entry["grad/total_norm"] > 0

@@ -258,3 +258,46 @@ def test_to_scalars_top_k_needs_norm():
     with pytest.raises(ValueError, match="top_k= ranks the parameters by their gradient's norm: create the hook "
                                          "with \"norm\" among its stats"):
         hook.stats.to_scalars(top_k=3)
+
+
+@pytest.mark.parametrize("layers", [2, 5], ids=["2-layers", "5-layers"])
+def test_to_scalars_summary_has_as_many_keys_for_any_model(layers, backend):
+    """summary=True: the global norm, the largest absmax and its parameter's index, NaN/Inf totals and how many
+    gradients the body shrank, whatever the number of parameters; each equal to what the per-parameter scalars give."""
+    hook = fh.grad_hook(lambda g: g.clamp(-0.05, 0.05), stats=("norm", "absmax", "nan", "inf"),
+                        input_stats=("absmax", "nan"), backend=backend)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(layers)))
+    hook.register(model)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape) * 0.04
+    model[0].weight.grad[0, 0] = float("nan")  # a NaN: its absmax is NaN, the largest
+    model[-1].bias.grad.fill_(0.01)            # inside the clamp: not shrunk
+    for p in model.parameters():
+        hook(p)
+    full, summary = hook.stats.to_scalars(), hook.stats.to_scalars(summary=True)
+    names = [n for n, _ in model.named_parameters()]
+    assert set(summary) == {"grad/total_norm", "grad/absmax", "grad/absmax_index", "grad/nan", "grad/inf",
+                            "grad/input.nan", "grad/shrunk"}
+    assert math.isnan(summary["grad/total_norm"]) and math.isnan(summary["grad/absmax"])
+    assert hook.stats.names[summary["grad/absmax_index"]] == "0.weight"  # a NaN counts as the largest
+    assert summary["grad/nan"] == summary["grad/input.nan"] == 1 and summary["grad/inf"] == 0
+    shrunk = sum(full[f"grad/{n}/absmax"] < full[f"grad/{n}/input.absmax"] for n in names)
+    assert summary["grad/shrunk"] == shrunk and 0 < shrunk < len(names)
+    model[0].weight.grad.nan_to_num_(0.0)
+    hook(model[0].weight)
+    for p in list(model.parameters())[1:]:
+        hook(p)
+    full, summary = hook.stats.to_scalars(), hook.stats.to_scalars(summary=True)
+    norms = [full[f"grad/{n}/norm"] for n in names]
+    assert summary["grad/total_norm"] == math.sqrt(math.fsum(x * x for x in norms))
+    largest = max(names, key=lambda n: full[f"grad/{n}/absmax"])
+    assert summary["grad/absmax"] == full[f"grad/{largest}/absmax"] and summary["grad/nan"] == 0
+    assert hook.stats.names[summary["grad/absmax_index"]] == largest
+    first = hook.stats.to_scalars(params="0.*", summary=True)  # the summary of the parameters params= selects
+    assert len(first) == len(summary)
+    assert first["grad/total_norm"] == math.sqrt(math.fsum(full[f"grad/0.{n}/norm"] ** 2 for n in ("weight", "bias")))
+    with pytest.raises(ValueError, match="fixed set of scalars"):
+        hook.stats.to_scalars(stats=("norm",), summary=True)
+    with pytest.raises(ValueError, match="fixed set of scalars"):
+        hook.stats.to_scalars(top_k=1, summary=True)
