@@ -68,7 +68,7 @@ PIPES = {
     "fp32": {"FADD", "FMUL", "FFMA", "FSWZADD"},
     "fp64": {"DADD", "DMUL", "DFMA", "DSETP", "DMNMX"},
     "alu": {"IADD3", "IMAD", "IMNMX", "ISETP", "LOP3", "SHF", "SGXT", "SEL", "FSEL", "FSETP", "FMNMX", "LEA", "PRMT",
-            "VIADD", "IABS", "BMSK", "MOV", "IDP", "VIMNMX", "PLOP3", "P2R", "R2P", "FCHK", "LEA.HI"},
+            "VIADD", "IABS", "BMSK", "MOV", "IDP", "VIMNMX", "PLOP3", "P2R", "R2P", "FCHK"},
     "half2": {"HADD2", "HMUL2", "HFMA2", "HSETP2", "HMNMX2"},
     "conversion": {"F2F", "F2I", "I2F", "F2FP", "I2FP", "F2IP", "POPC", "FLO", "BREV"},
     "shuffle": {"SHFL"},
@@ -129,13 +129,16 @@ def gpu_of(device, copy_bytes_per_s: float) -> Gpu:
                "measured in this run")
 
 
+def bytes_per_element(hook, dtype) -> int:
+    """What `hook`'s one-pass kernel moves per element of a `dtype` gradient: a read, and a write when the body
+    writes."""
+    return (2 if hook.graph(dtype).writes else 1) * dtype.itemsize
+
+
 def predicted_time_over_copy(hook, dtype, gpu: Gpu) -> float:
     """The predicted time of `hook`'s one-pass kernel for `dtype` on `gpu`, over a copy of the same bytes."""
-    import torch
-
     sass, block, warps = kernel_sass(hook, dtype, gpu.arch)
-    moved = (2 if hook.graph(dtype).writes else 1) * torch.tensor([], dtype=dtype).element_size()
-    return 1 / predict(pipe_counts(opcodes(sass)), gpu, block, warps, moved)["copy_ratio"]
+    return 1 / predict(pipe_counts(opcodes(sass)), gpu, block, warps, bytes_per_element(hook, dtype))["copy_ratio"]
 
 
 def _without_merge(source: str) -> str:
@@ -199,10 +202,9 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         ap.error("unset TRITON_INTERPRET: the model compiles for GPU targets")
     gpus = [GPUS[g] for g in args.gpus.split(",")]
-    import torch
-    from stats_cost import SUBSETS
+    from stats_cost import SUBSETS, subset_hook
 
-    import fusedhooks as fh
+    from fusedhooks.cli.build import DTYPES
 
     rows = []
     print("Predicted, not measured: time over a copy of the same bytes (measured: stats_cost.py on an H200, "
@@ -211,12 +213,10 @@ def main(argv=None) -> int:
           + " | H200 measured | bound (sm_90) | per element: fp32 / fp64 / alu / conv / shfl |")
     print("|---|---|" + "---:|" * (len(gpus) + 1) + "---|---|")
     for dname in args.dtypes.split(","):
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dname]
+        dtype = DTYPES[dname]
         for name, with_body, stats in SUBSETS:
-            body = (lambda g: g.clamp(-1.0, 1.0) * -1.0) if with_body else None
-            hook = fh.grad_hook(body, stats="all" if stats == "all+input" else stats,
-                                input_stats="all" if stats == "all+input" else ())
-            moved = (2 if with_body else 1) * torch.tensor([], dtype=dtype).element_size()
+            hook = subset_hook(with_body, stats)
+            moved = bytes_per_element(hook, dtype)
             row = {"dtype": dname, "kernel": name, "bytes_per_element": moved, "gpus": {}}
             by_arch = {}
             for gpu in gpus:

@@ -22,6 +22,7 @@ import sass_model  # noqa: E402
 from harness import Timer, device_name, environment, human, synchronize  # noqa: E402
 
 import fusedhooks as fh  # noqa: E402
+from fusedhooks.cli.build import DTYPES  # noqa: E402
 from fusedhooks.cli.tune import parse_size  # noqa: E402
 
 #: (row name, body or None for no body, stats)
@@ -36,6 +37,15 @@ SUBSETS = (
     ("+ all, and input statistics", True, "all+input"),
     ("no body, all statistics (read only)", False, "all"),
 )
+
+
+def subset_hook(with_body: bool, stats) -> fh.GradHook:
+    """The hook of a SUBSETS row: clamp then times -1 (repeated calls keep the values), or no body; its statistics
+    ("all+input": every statistic of the output and of the input)."""
+    body = (lambda g: g.clamp(-1.0, 1.0) * -1.0) if with_body else None
+    if stats == "all+input":
+        return fh.grad_hook(body, stats="all", input_stats="all")
+    return fh.grad_hook(body, stats=stats)
 
 
 def main(argv=None) -> int:
@@ -57,7 +67,7 @@ def main(argv=None) -> int:
     predict = device.type == "cuda" and not args.no_predict
     print("| dtype | kernel | median µs | × copy time | predicted × copy time | GB/s |\n|---|---|---:|---:|---:|---:|")
     for dname in args.dtypes.split(","):
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dname]
+        dtype = DTYPES[dname]
         grad = torch.randn(numel, device=device).to(dtype)
         dst = torch.empty_like(grad)
         copy_us = timer(lambda: dst.copy_(grad))[0]  # noqa: B023 - called at once
@@ -68,13 +78,11 @@ def main(argv=None) -> int:
         param = torch.zeros(numel, device=device, dtype=dtype, requires_grad=True)
         param.grad = grad
         for name, with_body, stats in SUBSETS:
-            body = (lambda g: g.clamp(-1.0, 1.0) * -1.0) if with_body else None  # repeated calls keep the values
-            input_stats = "all" if stats == "all+input" else ()
-            hook = fh.grad_hook(body, stats="all" if stats == "all+input" else stats, input_stats=input_stats)
+            hook = subset_hook(with_body, stats)
             hook(param)  # compile
             synchronize(device)
             us = timer(lambda: hook(param))[0]  # noqa: B023 - called at once
-            moved = (2 if with_body else 1) * grad.element_size() * numel
+            moved = sass_model.bytes_per_element(hook, dtype) * numel
             predicted = sass_model.predicted_time_over_copy(hook, dtype, gpu) if predict else None
             rows.append({"dtype": dname, "kernel": name, "us": us, "copy_ratio": copy_us / us,
                          "predicted_time_over_copy": predicted})

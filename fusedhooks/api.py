@@ -144,7 +144,7 @@ class GradHook:
         #: the firing sequence (`sequence.Firing`): one gradient, a bucket and a shard all run it; AMP's tensors and
         #: books from `amp` (only a hook with a scaler has plans that unscale)
         self.firing = sequence.Firing(self.stats, self._body.scalars, self._body.check_scalars,
-                                    None if self.amp is None else self.amp.tensors)
+                                      None if self.amp is None else self.amp.tensors)
         # the rooms below, handed the parts they need (never the hook); the calls into the firing come with each
         # registration (`firing_calls`)
         #: end-of-backward buckets, and how a bucket of gradients (DDP's too) is processed together
@@ -153,7 +153,7 @@ class GradHook:
         self.registration = Registration(self.registry, self.compilation, self._buckets)
         #: the statistics of sharded (FSDP2) parameters, merged across ranks when a backward ends
         self._shards = shards.ShardStats(self.stats, self.compilation, self.workspaces, self._body.check_scalars,
-                                              self.registration.check_sharded)
+                                         self.registration.check_sharded)
         #: the eager firing, one gradient at a time (`fire`, `process`; see firing/dispatch.py), and the pause flag
         self.dispatch = Dispatch(self.registry, self.registration.add_at_firing, self.compilation, self.workspaces,
                                  self.firing, self._shards, self._buckets.process_at_firing)

@@ -73,7 +73,6 @@ class Firing:
             stats.mark_written(rows, buffer if partial_row is None else None)
         record_all(entries, grads)
 
-
     def begin(self, backward_key: int) -> None:
         """The backward `backward_key` is numbered now, before any launch (a bucket, from its first firing)."""
         self.stats.begin_firing(backward_key)
@@ -117,7 +116,7 @@ def run_traced(launch: Callable[[tuple | None], None], row: int, generations: to
 
 class ShardFiring(Firing):
     """The firing of one rank's shard of a sharded (FSDP2) gradient: its statistics are partials, written into
-    `partials` (a HookStats of `stats_merge.partial_stats` slots, its rows the hook's, grown by `partial_row(row,
+    `partials` (a HookStats of `stats.merge.partial_stats` slots, its rows the hook's, grown by `partial_row(row,
     device)`), merged into the hook's rows when the backward ends; the hook's rows are marked as written by this
     backward."""
 

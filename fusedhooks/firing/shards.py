@@ -1,6 +1,6 @@
 """FSDP2 (`fully_shard`): FSDP calls post-accumulate hooks on the sharded DTensor parameters after its
 reduce-scatter. The body runs on this rank's shard in place; the statistics recorded on the shard are partials
-(`stats_merge.partial_stats`) that one collective per backward (`ShardStats`) merges into the statistics of the whole
+(`stats.merge.partial_stats`) that one collective per backward (`ShardStats`) merges into the statistics of the whole
 parameter, identical on every rank."""
 
 from __future__ import annotations
@@ -91,13 +91,14 @@ class ShardStats:
 
     Handed the hook's parts, never the hook: `stats` (its statistics rows), `compilation` (its plans and kernels for
     shards, `compilation.shard_stats` the partials they record; the body's scalars), `workspaces` (its per-thread
-    scratch), `check_scalars()` (refuses closed-over tensors the kernels cannot read) and `check_sharded(name, t)`
-    (what a hook cannot do on a sharded parameter, `registration.Registration.check_sharded`)."""
+    scratch), `check_scalars()` (refuses closed-over tensors the kernels cannot read: handed to the shards' firing
+    sequence) and `check_sharded(name, t)` (what a hook cannot do on a sharded parameter,
+    `registration.Registration.check_sharded`)."""
 
     def __init__(self, stats: HookStats, compilation: HookCompilation, workspaces: Workspaces,
                  check_scalars: Callable[[], None], check_sharded: Callable[[str, torch.Tensor], None]):
         self.stats, self.compilation, self.workspaces = stats, compilation, workspaces
-        self.check_scalars, self.check_sharded = check_scalars, check_sharded
+        self.check_sharded = check_sharded
         self.partials = HookStats(*compilation.shard_stats, compilation.hist_range)
         self._running: weakref.WeakValueDictionary[int, _PendingMerge] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()

@@ -93,27 +93,26 @@ class HookCompilation:
                                                          "launched (the count is the Triton backend's)")
             if self.reduces_over_dims:  # planned per shape: a bucket launches each of its kernel sets' passes
                 launches, how = self._explain_per_shape(device, dtype, tensors, bucket_bytes, averaged, nbytes, amp)
-                total += launches
-                lines.append(f"  {device} {str(dtype).removeprefix('torch.')}: {len(tensors)} tensors, "
-                             f"{nbytes / 2**20:.2f} MB of gradients, {how}: <= {launches} launches{torch_ops}")
-                continue
-            plan = self.plan(1 << 30, dtype, device, None, amp)
-            passes = plan.levels + 1
-            if averaged:
-                launches = len(tensors) * passes
-                how = f"in DDP's buckets (averaged), {passes} launch(es) per bucket: at most one per tensor"
-            elif bucket_bytes:
-                buckets = nbytes // bucket_bytes + 1
-                launches = buckets * passes
-                how = f"at most {buckets} end-of-backward bucket(s) of {bucket_bytes / 2**20:g} MB x {passes} pass(es)"
             else:
-                launches = sum(self.plan(t.numel(), dtype, device, None, amp).launches for t in tensors)
-                how = "each processed at its own firing"
+                launches, how = self._explain_one_plan(device, dtype, tensors, bucket_bytes, averaged, nbytes, amp)
             total += launches
             lines.append(f"  {device} {str(dtype).removeprefix('torch.')}: {len(tensors)} tensors, "
                          f"{nbytes / 2**20:.2f} MB of gradients, {how}: <= {launches} launches{torch_ops}")
         return BackwardPlan(total, "\n".join([f"fusedhooks backward plan: <= {total} launches per backward"]
                                              + lines))
+
+    def _explain_one_plan(self, device, dtype, tensors, bucket_bytes, averaged, nbytes, amp) -> tuple[int, str]:
+        """`explain` of tensors of a body planned once for every shape: (launches, how)."""
+        passes = self.plan(1 << 30, dtype, device, None, amp).levels + 1
+        if averaged:
+            return len(tensors) * passes, (f"in DDP's buckets (averaged), {passes} launch(es) per bucket: at most one "
+                                           "per tensor")
+        if bucket_bytes:
+            buckets = nbytes // bucket_bytes + 1
+            return buckets * passes, (f"at most {buckets} end-of-backward bucket(s) of {bucket_bytes / 2**20:g} MB x "
+                                      f"{passes} pass(es)")
+        launches = sum(self.plan(t.numel(), dtype, device, None, amp).launches for t in tensors)
+        return launches, "each processed at its own firing"
 
     def _explain_per_shape(self, device, dtype, tensors, bucket_bytes, averaged, nbytes, amp) -> tuple[int, str]:
         """`explain` of tensors of a body planned per shape: (launches, how)."""
