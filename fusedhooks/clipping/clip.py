@@ -107,7 +107,11 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     dtype, within 1e-6 relative of torch's fp32 norm and almost always the same fp16/bf16 value.
 
     Under torch.compile (a compiled training step) the call is one operator, `torch.ops.fusedhooks.clip_grad_norm_`
-    (fusedhooks/ops.py), whose implementation is the eager call: same results, no graph break.
+    (fusedhooks/firing/ops.py), whose implementation is the eager call: same results, no graph break. Once the hook's
+    firings are traced by compiled autograd (which keeps no record of what they measured, so the eager call would
+    read every gradient's norm anyway), it is traced instead as torch's own clip over the gradients (`_clip_traced`:
+    norms read from them, no fusedhooks Python when the graph runs), but for error_if_nonfinite=True or a tensor
+    max_norm, which keep the operator.
 
     optimizer: the optimizer that steps these gradients next. Which path runs is decided by its type alone: one of
     torch's Adam, AdamW, SGD or Adagrad with fused=True (`fold.folds_into`) gets the coefficient folded into its
@@ -147,11 +151,45 @@ def _clip_compiling(hook: GradHook, max_norm, norm_type, error_if_nonfinite, for
     norm_type = float(norm_type)
     if not grads:  # as eager: a float32 zero, nothing scaled
         return torch.zeros((), device=hook.stats.device or "cpu")
+    if hook.stats.traced is not None and max_norm_tensor is None and not error_if_nonfinite:
+        _norm_slot(hook, norm_type)  # eager's ValueError for a hook that does not record the statistic
+        return _clip_traced(grads, float(max_norm), norm_type, foreach)
     stats = hook.stats.buffer if norm_type in _SOURCES else None
     with torch.no_grad():
         return torch.ops.fusedhooks.clip_grad_norm_(grads, stats, hook.op_key,
                                                     0.0 if max_norm_tensor is not None else float(max_norm),
                                                     norm_type, bool(error_if_nonfinite), foreach, max_norm_tensor)
+
+
+@torch.no_grad()
+def _clip_traced(grads: list[torch.Tensor], max_norm: float, norm_type: float, foreach: bool | None) -> torch.Tensor:
+    """clip_grad_norm_ of `grads` (the hook's gradients, registration order) as torch ops that dynamo traces into the
+    compiled step, for a hook whose firings compiled autograd traces: they keep no Python record of what they measured,
+    so the norms are read from the gradients, as torch's clip_grad_norm_ reads them (each in its gradient's dtype, by
+    torch's (device, dtype) groups; an empty gradient contributes 0), and no Python of fusedhooks runs when the graph
+    runs. Returns the total norm (0-dim, the gradients' promoted dtype, the first gradient's device)."""
+    grouped = _group_by_device_and_dtype(grads)
+    first_device = grads[0].device
+    norms = []
+    for (device, dtype), members in grouped:
+        group = [grads[i] for i in members]
+        counted = [g for g in group if g.numel()]
+        values = _norms_from_grads(counted, device, norm_type, foreach) if counted else None
+        if len(counted) != len(group):
+            found = iter(values.unbind() if counted else ())
+            values = torch.stack([next(found) if g.numel() else torch.zeros((), dtype=dtype, device=device)
+                                  for g in group])
+        norms.append(values.to(first_device))
+    total_norm = torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), norm_type)
+    coef = clip_coefficient(total_norm, max_norm)
+    for (device, _), members in grouped:
+        group = [grads[i] for i in members]
+        if foreach is False:
+            for g in group:
+                g.mul_(coef.to(device))
+        else:
+            torch._foreach_mul_(group, coef.to(device))
+    return total_norm
 
 
 @torch.no_grad()

@@ -23,7 +23,8 @@ outside the graph instead (`torch.compiler.disable`), so that autograd records t
 operator, `torch.ops.fusedhooks.clip_grad_norm_`: dynamo traces only the walk over the hook's parameters that
 gathers their `.grad` tensors (declared mutated: they are scaled in place); the hook's statistics buffer is
 read; the real implementation is the eager `clip_grad_norm_` (so the Triton interpreter or the Triton launch is
-never traced), the fake one returns a 0-dim tensor of the total norm's dtype and device.
+never traced), the fake one returns a 0-dim tensor of the total norm's dtype and device. (Once compiled autograd
+traces the hook's firings, clip.py traces torch's own clip instead: no operator.)
 
 The calls into the modules above (traced.py, clip.py) go through `optable`, where they enter their implementations:
 this module imports none of them. It is imported only when a hook fires, or clip_grad_norm_ runs, under compile

@@ -535,6 +535,109 @@ def test_compiled_clip_grad_norm_with_a_tensor_max_norm():
         torch.compile(lambda: fh.clip_grad_norm_(torch.nn.Linear(2, 2), 1.0), backend="eager")()
 
 
+class MixedModel(torch.nn.Module):
+    """A float32 layer, a bfloat16 scale and an empty float32 parameter (its gradient has no element): two of torch's
+    (device, dtype) groups of gradients, one gradient that contributes 0 to the total norm."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(8, 4)
+        self.scale = torch.nn.Parameter(torch.rand(4, dtype=torch.bfloat16) + 0.5)
+        self.empty = torch.nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return self.linear(x) * self.scale.float() + self.empty.sum()
+
+
+def halve_grad(p):
+    p.grad.mul_(0.5)
+
+
+def traced_clip_training(clip, norm_type, foreach, steps=5):
+    """`steps` SGD steps of MixedModel under compiled autograd turned on by PyTorch's flag, the step compiled with
+    aot_eager: a hook halving each gradient, the step clipping with fh.clip_grad_norm_ (clip="fusedhooks", a
+    fusedhooks hook recording statistics) or torch's (clip="torch", a plain Python hook); at odd steps the user first
+    multiplies every gradient by 3. Returns the total norms, the parameters, the fusedhooks Python calls of the warm
+    steps and the targets of the ops in the compiled graphs."""
+    model = MixedModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if clip == "fusedhooks":
+        hook = fh.grad_hook(lambda g: g * 0.5, stats=("norm", "absmax"), backend="triton")
+        hook.register(model)
+    else:  # torch's yardstick: a plain post-accumulate hook with the same body
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(halve_grad)
+    targets = set()
+
+    def backend(gm, example_inputs):
+        targets.update(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    def step(x, modify):
+        (model(x) - x[:, :4]).square().sum().backward()
+        if modify:
+            for p in model.parameters():
+                p.grad.mul_(3.0)
+        if clip == "torch":
+            # torch raises for the inf-norm of an empty gradient, where fh counts it as 0: left out here alike
+            total = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.numel()], 0.05, norm_type,
+                                                   foreach=foreach)
+        else:
+            total = fh.clip_grad_norm_(hook, 0.05, norm_type, foreach=foreach)
+        return total
+
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        compiled = torch.compile(step, backend=backend)
+        totals, calls = [], []
+        for i, x in enumerate(batches(steps)):
+            if i >= 2:
+                calls.append(python_calls(lambda x=x, i=i: totals.append(compiled(x, i % 2 == 1))))
+            else:
+                totals.append(compiled(x, i % 2 == 1))
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+    return totals, [p.detach().clone() for p in model.parameters()], calls, targets
+
+
+@pytest.mark.parametrize(("norm_type", "foreach"), [(2.0, None), (float("inf"), None), (1.0, False)],
+                         ids=["norm2", "inf", "norm1-no-foreach"])
+def test_clip_grad_norm_in_a_compiled_autograd_step_is_torchs_clip_traced(norm_type, foreach):
+    """With compiled autograd on, the firings keep no record of what they measured, so fh.clip_grad_norm_ in the
+    compiled step is traced as torch's own clip over the gradients (no fusedhooks operator in the graph, no Python of
+    fusedhooks in a warm step): the total norms and parameters of the same step with torch.nn.utils.clip_grad_norm_,
+    bit for bit, over float32, bfloat16 and empty gradients, gradients multiplied by hand after backward (odd steps)
+    included."""
+    totals, params, calls, targets = traced_clip_training("fusedhooks", norm_type, foreach)
+    expected_totals, expected_params, _, _ = traced_clip_training("torch", norm_type, foreach)
+    assert all(torch.equal(t, e) for t, e in zip(totals, expected_totals)), (totals, expected_totals)
+    assert all(torch.equal(p, e) for p, e in zip(params, expected_params))
+    assert calls == [0, 0, 0]
+    assert not any("fusedhooks" in str(t) and "clip" in str(t) for t in targets)
+    assert max(t.item() for t in expected_totals) > 0.05  # it clipped
+
+
+def test_clip_grad_norm_in_a_compiled_autograd_step_refuses_a_hook_without_the_norm():
+    """The traced clip keeps eager's check: a hook that records no norm is refused for norm_type 2.0."""
+    model = MixedModel()
+    hook = fh.grad_hook(lambda g: g * 0.5, stats=("max",), backend="triton")
+    hook.register(model)
+
+    def step(x):
+        (model(x) - x[:, :4]).square().sum().backward()
+        return fh.clip_grad_norm_(hook, 0.05)
+
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        with pytest.raises(Exception, match="add 'norm' to its stats="):
+            torch.compile(step, backend="aot_eager")(batches(1)[0])
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+
+
 _STEP_STATE = {}  # a step reading its model and hook from a global: dynamo skips the frame after backward()
 
 
