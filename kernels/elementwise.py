@@ -1,16 +1,26 @@
 """Elementwise helpers: rounding to half precision with the same bits on GPU and in the interpreter.
 
 Values are carried in fp32 inside a kernel; a bf16/fp16 value is an fp32 holding a representable
-half-precision number. The interpreter's fp32 -> bf16 cast truncates, so bf16 goes through bits.
+half-precision number. The interpreter's fp32 -> bf16 cast truncates and its bf16 -> fp32 cast mangles subnormals,
+so there bf16 goes through bits; a GPU rounds with its own round-to-nearest-even conversions (one `F2FP` per two
+values against about 17 integer instructions per element for the bits: TRITON_NOTES.md), which give the same values
+(a NaN may have other bits: NaN stays NaN).
 """
 
 import triton
 import triton.language as tl
+from triton import knobs
+
+#: the GPU's conversions (compiled kernels) or bit arithmetic (the interpreter), decided when this module is imported,
+#: as triton.jit decides then whether it makes interpreted functions
+HARDWARE_CASTS = tl.constexpr(not knobs.runtime.interpret)
 
 
 @triton.jit
 def round_to_bf16(x):
     """x: fp32 [BLOCK] -> fp32 [BLOCK] holding the nearest bf16 (ties to even); NaN stays NaN."""
+    if HARDWARE_CASTS:
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
     rounded = tl.where(x != x, bits | 0x00400000, rounded)  # quiet NaN, never rounded into Inf
@@ -20,6 +30,8 @@ def round_to_bf16(x):
 @triton.jit
 def to_bf16(x):
     """x: fp32 [BLOCK] -> bf16 [BLOCK], rounded to nearest even (bit-identical to torch's cast)."""
+    if HARDWARE_CASTS:
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
     bits = round_to_bf16(x).to(tl.uint32, bitcast=True)
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
@@ -27,6 +39,8 @@ def to_bf16(x):
 @triton.jit
 def bf16_to_fp32(x):
     """x: bf16 [BLOCK] -> fp32 [BLOCK], exactly (through bits: the interpreter's cast mangles subnormals)."""
+    if HARDWARE_CASTS:
+        return x.to(tl.float32)
     return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 

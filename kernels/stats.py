@@ -22,40 +22,54 @@ def store_partials(x, mask, n_valid, out_ptr,
     x: fp32/fp64 [BLOCK] values (lanes outside `mask` ignored); n_valid: int64, lanes in `mask`;
     out_ptr: *fp64, N_PARTIALS slots. The flags choose which partials are computed (the rest is 0).
     """
-    if SUM:
-        # fp32 blocks are summed scaled by a power of two that brings |x| into [1, 4): exact, so the sums have the
-        # same bits as unscaled ones wherever those neither overflow (3e38 values) nor underflow (1e-30 squared)
-        if x.dtype == tl.float64:
-            unscale = 1.0
-            xs = x
-        else:
-            absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
-            exponent = ((absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-            shift = tl.minimum(tl.maximum(1 - exponent, -126), 127)
-            xs = x * ((shift + 127) << 23).to(tl.float32, bitcast=True)
-            unscale = ((1023 - shift).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2 ** -shift
-        block_sum = tl.sum(tl.where(mask, xs, 0.0), axis=0)
-        tl.store(out_ptr + 0, block_sum.to(tl.float64) * unscale)
-        if M2:
-            block_mean = block_sum / n_valid.to(xs.dtype)
-            dev = tl.where(mask, xs - block_mean, 0.0)
-            # the corrected two-pass sum: less (sum of deviations)^2 / n, which takes out what the block mean's
-            # rounding adds (n times its error squared: 1.4e-5 of the variance of 3 values near 5.6e6, unmended);
-            # never below 0 (equal deviations can round the difference to -0.0 or a few ulps under)
-            dev_sum = tl.sum(dev, axis=0)
-            m2 = tl.maximum(tl.sum(dev * dev, axis=0) - dev_sum * dev_sum / n_valid.to(xs.dtype), 0.0)
-            tl.store(out_ptr + 2, m2.to(tl.float64) * unscale * unscale)
-    if SUMSQ:  # squares in fp64: no overflow above ~1.8e19 nor underflow below ~1e-19 (CPU torch's double)
-        x64 = tl.where(mask, x, 0.0).to(tl.float64)
-        tl.store(out_ptr + 1, tl.sum(x64 * x64, axis=0))
-    if MINMAX:
-        is_num = mask & (x == x)
-        tl.store(out_ptr + 3, tl.min(tl.where(is_num, x, float("inf")), axis=0).to(tl.float64))
-        tl.store(out_ptr + 4, tl.max(tl.where(is_num, x, float("-inf")), axis=0).to(tl.float64))
     if COUNTS:
         tl.store(out_ptr + 5, tl.sum((mask & (x != x)).to(tl.int32), axis=0).to(tl.float64))
         tl.store(out_ptr + 6, tl.sum((mask & (tl.abs(x) == float("inf"))).to(tl.int32), axis=0).to(tl.float64))
         tl.store(out_ptr + 7, tl.sum((mask & (x == 0)).to(tl.int32), axis=0).to(tl.float64))
+    if MINMAX:
+        # NaN is not left out: a block with a NaN counts it (MINMAX comes with COUNTS), and the merge then makes min,
+        # max and absmax NaN whatever these partials hold
+        mn = tl.min(tl.where(mask, x, float("inf")), axis=0)
+        mx = tl.max(tl.where(mask, x, float("-inf")), axis=0)
+        tl.store(out_ptr + 3, mn.to(tl.float64))
+        tl.store(out_ptr + 4, mx.to(tl.float64))
+    if SUMSQ and not (SUM or MINMAX or x.dtype == tl.float64):
+        # squares in fp64: no overflow above ~1.8e19 nor underflow below ~1e-19 (CPU torch's double), with no
+        # reduction first (the largest |x|, which a power-of-two scaling needs, is not known here)
+        x64 = tl.where(mask, x, 0.0).to(tl.float64)
+        tl.store(out_ptr + 1, tl.sum(x64 * x64, axis=0))
+    elif SUM or SUMSQ:
+        if x.dtype == tl.float64:
+            unscale = 1.0
+            xs = x
+        else:
+            # fp32 values are summed, and squared, scaled by a power of two that brings the block's largest |x| into
+            # [2, 4): exact, so the sums have the same bits as unscaled ones wherever those neither overflow nor
+            # underflow; the squares neither overflow (|x| above 1.8e19) nor underflow but where |x| is below 2**-60
+            # of the block's largest, too small to change a float32 sum of squares (CPU torch's double: no overflow)
+            if MINMAX:
+                absmax = tl.maximum(tl.abs(mn), tl.abs(mx))
+            else:
+                absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
+            exponent = ((absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            shift = tl.minimum(tl.maximum(1 - exponent, -126), 127)
+            xs = x * ((shift + 127) << 23).to(tl.float32, bitcast=True)
+            unscale = ((1023 - shift).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2 ** -shift
+        xs = tl.where(mask, xs, 0.0)
+        if SUMSQ:
+            tl.store(out_ptr + 1, tl.sum(xs * xs, axis=0).to(tl.float64) * unscale * unscale)
+        if SUM:
+            block_sum = tl.sum(xs, axis=0)
+            tl.store(out_ptr + 0, block_sum.to(tl.float64) * unscale)
+            if M2:
+                block_mean = block_sum / n_valid.to(xs.dtype)
+                dev = tl.where(mask, xs - block_mean, 0.0)
+                # the corrected two-pass sum: less (sum of deviations)^2 / n, which takes out what the block mean's
+                # rounding adds (n times its error squared: 1.4e-5 of the variance of 3 values near 5.6e6, unmended);
+                # never below 0 (equal deviations can round the difference to -0.0 or a few ulps under)
+                dev_sum = tl.sum(dev, axis=0)
+                m2 = tl.maximum(tl.sum(dev * dev, axis=0) - dev_sum * dev_sum / n_valid.to(xs.dtype), 0.0)
+                tl.store(out_ptr + 2, m2.to(tl.float64) * unscale * unscale)
 
 
 @triton.jit

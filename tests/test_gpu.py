@@ -49,6 +49,40 @@ def test_signed_zeros_match_cuda_torch_bit_for_bit(name, dtype):
     assert_same_bits(grad.cpu(), expected.cpu())
 
 
+def bf16_rounding_cases() -> torch.Tensor:
+    """fp32 values whose bf16 rounding is hard: ties to even both ways, values just above and below a tie, the
+    largest bf16 and what rounds up to Inf, subnormals, signed zeros, Inf and NaN, and 64K random values."""
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x3F808001, 0x3F807FFF, 0x7F7F8000, 0x7F7F7FFF,
+                         0x7F7FFFFF, 0x00008000, 0x00018000, 0x80008000, 0x00000001], dtype=torch.int64)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])
+    random = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0)) * 10.0 ** torch.randint(
+        -40, 38, (1 << 16,), generator=torch.Generator().manual_seed(1))
+    return torch.cat([ties.to(torch.int32).view(torch.float32), special, random])
+
+
+def test_bf16_hardware_conversions_match_cuda_torch_bit_for_bit():
+    """On a GPU the generated kernels and the multi-tensor scale round bf16 with the hardware's conversions (the bit
+    arithmetic is the interpreter's): a hook computing in fp32 and storing bf16, and fh.clip_grad_norm_'s scale, give
+    torch's CUDA values bit for bit (NaN stays NaN; its bits may differ)."""
+    values = bf16_rounding_cases().cuda()
+    grad = values.to(torch.bfloat16)
+    p = torch.zeros_like(grad, requires_grad=True)
+    p.grad = grad.clone()
+    fh.grad_hook(lambda g: g * 1.0009765625, stats=("norm", "max"))(p)  # 1 + 2**-10: products round
+    assert_same_bits(p.grad.cpu(), (grad * 1.0009765625).cpu())
+    params = [torch.zeros_like(grad, requires_grad=True), torch.zeros(1000, device="cuda", requires_grad=True)]
+    finite = torch.where(grad.isfinite(), grad, 0.0)
+    params[0].grad, params[1].grad = finite.clone(), torch.ones(1000, device="cuda")
+    hook = fh.grad_hook(None, stats=("norm",))
+    for t in params:
+        hook.register(t)
+        hook(t)
+    expected = finite.clone()
+    total = fh.clip_grad_norm_(hook, 1e-3)
+    torch._foreach_mul_([expected], torch.clamp(1e-3 / (total + 1e-6), max=1.0))  # torch's bf16 group
+    assert_same_bits(params[0].grad.cpu(), expected.cpu())
+
+
 def test_repeated_firings_launch_through_the_compiled_kernel(monkeypatch):
     """After the first firing, a hook's launches skip Triton's dispatch (`JITFunction.run`: tens of µs of Python per
     launch) and call the compiled kernel (fusedhooks/runtime/fastlaunch.py); written before a GPU ran it."""

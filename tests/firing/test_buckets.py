@@ -76,9 +76,13 @@ def test_launch_bound_holds_with_an_agc_hook(monkeypatch):
     a, b, hook_a, hook_b, launches, bucketed = bucketed_and_alone(
         lambda: fh.agc(0.01, stats="all", backend="triton"), monkeypatch)
     rows_a, rows_b = hook_a.stats.read(), hook_b.stats.read()
-    for name, row in rows_a.items():  # statistics: partials over other programs (UNITS differs), merged in fp64
+    # statistics: partials over other programs (UNITS differs), merged in fp64; each program's sum of squares is a
+    # float32 sum (of values scaled by a power of two: exact), each value added at most 16 times in its thread and 8
+    # times across the 256 threads: within 24 * 2**-24 of the exact sum on either side, the norm within half that
+    norm_rtol = 24 * 2.0 ** -24
+    for name, row in rows_a.items():
         assert row["max"] == rows_b[name]["max"] and row["count"] == rows_b[name]["count"]
-        assert row["norm"] == pytest.approx(rows_b[name]["norm"], rel=1e-12)
+        assert row["norm"] == pytest.approx(rows_b[name]["norm"], rel=norm_rtol)
     passes = max(hook_a.plan(shape=p.shape, device="cpu").passes for p in a.parameters())
     assert passes == 1
     assert bucketed <= launch_bound(a, passes)
