@@ -13,7 +13,7 @@ from torch.compiler import is_compiling as _is_compiling  # a call by hand may b
 
 from .codegen import generate
 from .compiler import dims
-from .compiler.ir import STAT_NAMES, Graph
+from .compiler.ir import ALL_STAT_NAMES, MOMENT_STATS, STAT_NAMES, Graph
 from .compiler.plan import DEFAULT_HIST_RANGE, Plan, make_plan
 from .compiler.trace import CompileError, TracedBody, lower, trace
 from .firing import amp, optable, sequence, shards
@@ -58,13 +58,13 @@ def _parse_stats(option, what: str) -> tuple[str, ...]:
     if not all(isinstance(n, str) for n in names):
         raise TypeError(f"{what}= takes statistic names (strings); got {option!r}")
     if "all" in names:
-        names = STAT_NAMES + tuple(n for n in names if n == "hist")
-    unknown = [n for n in names if n not in STAT_NAMES + ("hist",)]
+        names = STAT_NAMES + tuple(n for n in names if n != "all")  # with "hist", "skew", "kurtosis" if named
+    unknown = [n for n in names if n not in ALL_STAT_NAMES + ("hist",)]
     if unknown:
-        raise ValueError(f"unknown statistic {unknown[0]!r} in {what}=; known: {', '.join(STAT_NAMES)}, hist, "
-                         "or 'all' (every one but hist)")
-    order = {name: i for i, name in enumerate(STAT_NAMES + ("hist",))}
-    return tuple(sorted(set(names), key=order.get))  # the stats row layout follows STAT_NAMES
+        raise ValueError(f"unknown statistic {unknown[0]!r} in {what}=; known: {', '.join(ALL_STAT_NAMES)}, hist, "
+                         f"or 'all' (every one but {', '.join(MOMENT_STATS)} and hist)")
+    order = {name: i for i, name in enumerate(ALL_STAT_NAMES + ("hist",))}
+    return tuple(sorted(set(names), key=order.get))  # the stats row layout follows ALL_STAT_NAMES
 
 
 def _parse_hist_range(hist_range) -> tuple[int, int]:

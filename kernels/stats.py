@@ -9,14 +9,15 @@ import triton
 import triton.language as tl
 
 #: slots of a partials row: sum, sum of squares, M2 (sum of squared deviations from the block mean),
-#: min, max (NaN excluded), counts of NaN, +-Inf and zeros
-N_PARTIALS = tl.constexpr(8)  # fusedhooks.launch_spec.PARTIAL_WIDTH
+#: min, max, counts of NaN, +-Inf and zeros, M3 and M4 (sums of the deviations' cubes and fourth powers); the rest of
+#: the row is padding
+N_PARTIALS = tl.constexpr(16)  # fusedhooks.launch_spec.PARTIAL_WIDTH
 
 
 @triton.jit
 def store_partials(x, mask, n_valid, out_ptr,
                    SUM: tl.constexpr, M2: tl.constexpr, SUMSQ: tl.constexpr,
-                   MINMAX: tl.constexpr, COUNTS: tl.constexpr):
+                   MINMAX: tl.constexpr, COUNTS: tl.constexpr, M34: tl.constexpr):
     """Reduce one block and store its partials.
 
     x: fp32/fp64 [BLOCK] values (lanes outside `mask` ignored); n_valid: int64, lanes in `mask`;
@@ -68,22 +69,35 @@ def store_partials(x, mask, n_valid, out_ptr,
                 # rounding adds (n times its error squared: 1.4e-5 of the variance of 3 values near 5.6e6, unmended);
                 # never below 0 (equal deviations can round the difference to -0.0 or a few ulps under)
                 dev_sum = tl.sum(dev, axis=0)
-                m2 = tl.maximum(tl.sum(dev * dev, axis=0) - dev_sum * dev_sum / n_valid.to(xs.dtype), 0.0)
+                dev2 = dev * dev
+                dev2_sum = tl.sum(dev2, axis=0)
+                m2 = tl.maximum(dev2_sum - dev_sum * dev_sum / n_valid.to(xs.dtype), 0.0)
                 tl.store(out_ptr + 2, m2.to(tl.float64) * unscale * unscale)
+                if M34:
+                    # about the block's exact mean, which is the rounded one plus c, the deviations' mean
+                    c = dev_sum / n_valid.to(xs.dtype)
+                    dev3_sum = tl.sum(dev2 * dev, axis=0)
+                    m3 = dev3_sum - 3.0 * c * dev2_sum + 2.0 * dev_sum * c * c
+                    m4 = (tl.sum(dev2 * dev2, axis=0) - 4.0 * c * dev3_sum + 6.0 * c * c * dev2_sum
+                          - 3.0 * dev_sum * c * c * c)
+                    unscale2 = unscale * unscale
+                    tl.store(out_ptr + 8, m3.to(tl.float64) * unscale2 * unscale)
+                    tl.store(out_ptr + 9, tl.maximum(m4, 0.0).to(tl.float64) * unscale2 * unscale2)
 
 
 @triton.jit
 def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel, num_blocks,
                    BLOCK, RBLOCK: tl.constexpr, CORRECTION: tl.constexpr,
                    SUM: tl.constexpr, M2: tl.constexpr, SUMSQ: tl.constexpr,
-                   MINMAX: tl.constexpr, COUNTS: tl.constexpr):
+                   MINMAX: tl.constexpr, COUNTS: tl.constexpr, M34: tl.constexpr):
     """Merge the partials of statistics set SET over `num_blocks` programs, in fp64.
 
     partials_ptr: *fp64 [num_blocks, N_SETS, N_PARTIALS]; numel: elements covered (> 0); BLOCK: elements of each
     program but the last;
     CORRECTION: var = M2 / max(numel - CORRECTION, 0), as torch.var.
-    Returns fp64 scalars (count, sum, mean, sumsq, norm, var, std, min, max, absmax, nan, inf, zeros);
-    those whose flag is off are 0.
+    Returns fp64 scalars (count, sum, mean, sumsq, norm, var, std, min, max, absmax, nan, inf, zeros, skew, kurtosis):
+    skew = m3 / m2**1.5 and kurtosis = m4 / m2**2 - 3 of the central moments m_k = mean((x - mean)**k) (population,
+    as scipy.stats' defaults; NaN when m2 is 0); those whose flag is off are 0.
     """
     rows = tl.arange(0, RBLOCK)
     acc_sum = tl.zeros([RBLOCK], dtype=tl.float64)
@@ -112,8 +126,12 @@ def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel,
     total = tl.sum(acc_sum, axis=0)
     mean = total / n
     var = total * 0.0
+    skew = var
+    kurtosis = var
     if M2:
         acc_m2 = tl.zeros([RBLOCK], dtype=tl.float64)
+        acc_m3 = tl.zeros([RBLOCK], dtype=tl.float64)
+        acc_m4 = tl.zeros([RBLOCK], dtype=tl.float64)
         for start in range(0, num_blocks, RBLOCK):
             block = start + rows
             valid = block < num_blocks
@@ -124,7 +142,19 @@ def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel,
             block_m2 = tl.load(row_ptr + 2, mask=valid, other=0.0, cache_modifier=".cg")
             shift = block_sum / n_block - mean
             acc_m2 += tl.where(valid, block_m2 + n_block * shift * shift, 0.0)
-        var = tl.sum(acc_m2, axis=0) / tl.maximum(n - CORRECTION, 0.0)
+            if M34:  # each block's moments moved from its mean to the whole's (Pebay's update)
+                block_m3 = tl.load(row_ptr + 8, mask=valid, other=0.0, cache_modifier=".cg")
+                block_m4 = tl.load(row_ptr + 9, mask=valid, other=0.0, cache_modifier=".cg")
+                shift2 = shift * shift
+                acc_m3 += tl.where(valid, block_m3 + 3.0 * shift * block_m2 + n_block * shift2 * shift, 0.0)
+                acc_m4 += tl.where(valid, block_m4 + 4.0 * shift * block_m3 + 6.0 * shift2 * block_m2
+                                   + n_block * shift2 * shift2, 0.0)
+        m2 = tl.sum(acc_m2, axis=0)
+        var = m2 / tl.maximum(n - CORRECTION, 0.0)
+        if M34:
+            m2_n = m2 / n
+            skew = tl.sum(acc_m3, axis=0) / n / (m2_n * tl.sqrt(m2_n))
+            kurtosis = tl.sum(acc_m4, axis=0) / n / (m2_n * m2_n) - 3.0
     sumsq = tl.sum(acc_sumsq, axis=0)
     nan = tl.sum(acc_nan, axis=0)
     mn = tl.min(acc_min, axis=0)
@@ -139,7 +169,7 @@ def finalize_stats(partials_ptr, SET: tl.constexpr, N_SETS: tl.constexpr, numel,
         mx = mn
         absmax = mn
     return (n, total, mean, sumsq, tl.sqrt(sumsq), var, tl.sqrt(var), mn, mx, absmax,
-            nan, tl.sum(acc_inf, axis=0), tl.sum(acc_zeros, axis=0))
+            nan, tl.sum(acc_inf, axis=0), tl.sum(acc_zeros, axis=0), skew, kurtosis)
 
 
 @triton.jit

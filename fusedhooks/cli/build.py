@@ -79,6 +79,7 @@ def families() -> dict[str, object]:
         "clip+scale+stats+hist": grad_hook(lambda g: g.clamp(-1.0, 1.0) * 0.5, stats="all",
                                            input_stats=("norm", "hist")),
         "stats-only": grad_hook(stats="all"),
+        "clip+moments": grad_hook(lambda g: g.clamp(-1.0, 1.0), stats=("norm", "skew", "kurtosis")),
         "normalise-by-norm": grad_hook(lambda g: g / g.norm(), stats=("norm",)),
         "standardise": grad_hook(lambda g: (g - g.mean()) / (g.std() + 1e-6)),
         "weight-decay(param)": grad_hook(lambda g, p: g + 1e-4 * p),

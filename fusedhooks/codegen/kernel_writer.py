@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compiler import dims
-from ..compiler.ir import STAT_NAMES, Graph, Node, is_reduction, reduction_spec
+from ..compiler.ir import ALL_STAT_NAMES, Graph, Node, is_reduction, reduction_spec
 from ..compiler.plan import PARTIAL_FLAGS, Plan, partial_flags
 from .emit import FLOAT_CT, Emitter, compute_type, full, literal, rounded, widen
 from .launch_spec import KERNEL_NAME, PARTIAL_WIDTH, TABLE_PARTS, LaunchSpec, hist_pad
@@ -486,7 +486,7 @@ def table_part(part: str) -> str:
     return f"table_ptr + {k} * n_tensors + t" if k else "table_ptr + t"
 
 
-_STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}  # finalize_stats returns them in this order
+_STAT_INDEX = {name: i for i, name in enumerate(ALL_STAT_NAMES)}  # finalize_stats returns them in this order
 
 
 #: Bytes per element of each gradient dtype

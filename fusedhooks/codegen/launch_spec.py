@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KERNEL_NAME = "fused_hook"
-#: fp64 values in a row of partial statistics (kernels.stats.N_PARTIALS)
-PARTIAL_WIDTH = 8
+#: fp64 values in a row of partial statistics (kernels.stats.N_PARTIALS): 10 used, padded to a power of two (row
+#: offsets are shifts; at 10, ptxas 13.4 spilled a register of a units kernel on sm_90)
+PARTIAL_WIDTH = 16
 #: The bucket table's per-tensor parts, in order, each n_tensors int64s; then (tensor, block) per program.
 TABLE_PARTS = ("grad", "param", "numel", "blocks", "stats_offset", "partials_offset", "n_units", "unit_numel")
 

@@ -19,11 +19,16 @@ import torch
 
 # --- statistics ------------------------------------------------------------------------------------
 
-#: Every statistic a hook can record, in the order of the slots of a stats row.
+#: The statistics of stats="all", in the order of the slots of a stats row.
 STAT_NAMES = (
     "count", "sum", "mean", "sumsq", "norm", "var", "std",
     "min", "max", "absmax", "nan", "inf", "zeros",
 )
+#: Statistics recorded only when named (not part of "all"): the third and fourth standardised moments, after them in
+#: a stats row.
+MOMENT_STATS = ("skew", "kurtosis")
+#: Every statistic a hook can record, in the order of the slots of a stats row ("hist" last).
+ALL_STAT_NAMES = STAT_NAMES + MOMENT_STATS
 #: Statistics read back as Python ints.
 COUNT_STATS = frozenset({"count", "nan", "inf", "zeros"})
 

@@ -15,8 +15,9 @@ _NEEDS = {
     "count": (), "sum": ("SUM",), "mean": ("SUM",), "sumsq": ("SUMSQ",), "norm": ("SUMSQ",),
     "var": ("SUM", "M2"), "std": ("SUM", "M2"), "min": ("MINMAX", "COUNTS"), "max": ("MINMAX", "COUNTS"),
     "absmax": ("MINMAX", "COUNTS"), "nan": ("COUNTS",), "inf": ("COUNTS",), "zeros": ("COUNTS",), "hist": (),
+    "skew": ("SUM", "M2", "M34"), "kurtosis": ("SUM", "M2", "M34"),
 }
-PARTIAL_FLAGS = ("SUM", "M2", "SUMSQ", "MINMAX", "COUNTS")
+PARTIAL_FLAGS = ("SUM", "M2", "SUMSQ", "MINMAX", "COUNTS", "M34")
 #: What the backends other than "triton" run (Plan.__str__).
 _RUNS_AS = {
     "eager": "eager torch ops on the CPU tensor, the body in place on the gradient where torch's in-place op gives "

@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from ..compiler.ir import Graph, Node, eager
+from ..compiler.ir import MOMENT_STATS, Graph, Node, eager
 from ..compiler.plan import Plan
 from . import reference
 
@@ -200,6 +200,9 @@ def tensor_stats(x: torch.Tensor, names: tuple[str, ...], scratch) -> list[float
                 out["std"] = math.sqrt(out["var"]) if out["var"] >= 0 else math.nan
     if "zeros" in want:
         out["zeros"] = float(n - torch.count_nonzero(flat).item())
+    moments = [name for name in names if name in MOMENT_STATS]
+    if moments:  # in float64, as the reference computes them
+        out.update(zip(moments, (v.item() for v in reference.tensor_stats(flat, tuple(moments)))))
     return [out[name] for name in names]
 
 

@@ -32,7 +32,9 @@ def evaluate(graph: Graph, grad: torch.Tensor, param: torch.Tensor | None, scala
 def tensor_stats(x: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor]:
     """Statistics of `x` as float64 0-dim tensors on x's device, with torch's NaN/Inf behaviour.
 
-    min, max and absmax of an empty tensor are NaN (torch raises); var/std of fewer than 2 elements NaN.
+    min, max and absmax of an empty tensor are NaN (torch raises); var/std of fewer than 2 elements NaN. skew and
+    kurtosis: m3 / m2**1.5 and m4 / m2**2 - 3 of the central moments m_k = mean((x - mean)**k) (population, as
+    scipy.stats.skew and scipy.stats.kurtosis by default), NaN when m2 is 0 or x is empty.
     """
     x64 = x.detach().reshape(-1).to(torch.float64)
     nan = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
@@ -63,6 +65,14 @@ def tensor_stats(x: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor]:
             return torch.isinf(x64).sum().to(torch.float64)
         if name == "zeros":
             return (x64 == 0).sum().to(torch.float64)
+        if name in ("skew", "kurtosis"):
+            if empty:
+                return nan
+            deviations = x64 - x64.mean()
+            m2 = deviations.square().mean()
+            if name == "skew":
+                return deviations.pow(3).mean() / (m2 * m2.sqrt())
+            return deviations.pow(4).mean() / m2.square() - 3.0
         raise KeyError(name)
 
     return [one(name) for name in names]

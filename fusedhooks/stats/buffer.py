@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from ..compiler.ir import COUNT_STATS, STAT_NAMES
+from ..compiler.ir import ALL_STAT_NAMES, COUNT_STATS
 from ..compiler.plan import slot_names
 from ..runtime.layout import static
 from .backwards import Backwards
@@ -69,9 +69,9 @@ class ScalarSelection:
             if name.endswith("hist"):
                 raise ValueError(f"stats= selects scalars; {name!r} is a histogram: read it with "
                                  "hook.stats.histogram(name) (or log_to_tensorboard)")
-            if name not in recorded and name.removeprefix("input.") not in STAT_NAMES:
+            if name not in recorded and name.removeprefix("input.") not in ALL_STAT_NAMES:
                 raise ValueError(f"stats= names {name!r}, which is no statistic: this hook records {recorded} "
-                                 f"(every statistic: {list(STAT_NAMES)}, 'input.<name>' for input_stats=)")
+                                 f"(every statistic: {list(ALL_STAT_NAMES)}, 'input.<name>' for input_stats=)")
             if name not in recorded:
                 option = "input_stats" if name.startswith("input.") else "stats"
                 raise ValueError(f"stats= names {name!r}, which this hook does not record: choose among "

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..compiler.ir import STAT_NAMES
+from ..compiler.ir import ALL_STAT_NAMES
 
 #: The partials each statistic of a whole parameter is merged from.
 _PARTIALS = {
@@ -15,6 +15,7 @@ _PARTIALS = {
     "var": ("count", "sum", "var"), "std": ("count", "sum", "var"), "min": ("count", "min"),
     "max": ("count", "max"), "absmax": ("count", "absmax"), "nan": ("nan",), "inf": ("inf",),
     "zeros": ("zeros",), "hist": ("hist",),
+    "skew": ("count", "sum", "var", "skew", "kurtosis"), "kurtosis": ("count", "sum", "var", "skew", "kurtosis"),
 }
 _SUMMED = frozenset({"count", "sum", "sumsq", "nan", "inf", "zeros"})
 
@@ -22,7 +23,7 @@ _SUMMED = frozenset({"count", "sum", "sumsq", "nan", "inf", "zeros"})
 def partial_stats(names: tuple[str, ...]) -> tuple[str, ...]:
     """The statistics a shard records so that `names` of the whole parameter can be merged from the ranks'."""
     needed = {p for n in names for p in _PARTIALS[n]}
-    return tuple(n for n in STAT_NAMES + ("hist",) if n in needed)
+    return tuple(n for n in ALL_STAT_NAMES + ("hist",) if n in needed)
 
 
 def merge_partials(parts: torch.Tensor, partial_slots: tuple[str, ...], slots: tuple[str, ...]) -> torch.Tensor:
@@ -30,7 +31,8 @@ def merge_partials(parts: torch.Tensor, partial_slots: tuple[str, ...], slots: t
 
     parts: float64 [ranks, parameters, len(partial_slots)], rank order; returns float64 [parameters, len(slots)].
     Counts and sums add, min/max/absmax over the ranks whose shard is not empty (NaN propagates), variance by
-    the stable pairwise merge (Chan et al.) of each shard's count, mean and M2.
+    the stable pairwise merge (Chan et al.) of each shard's count, mean and M2, skew and kurtosis by Pebay's update of
+    each shard's central moments (from its count, mean, variance, skew and kurtosis) to the whole's mean.
     """
     first = {}
     for j, s in enumerate(partial_slots):
@@ -64,6 +66,8 @@ def _merge_one(name: str, col) -> torch.Tensor:
     nan = torch.tensor(math.nan, dtype=torch.float64, device=count.device)
     if name == "mean":
         return torch.where(total > 0, col("sum").sum(0) / total, nan)
+    if name in ("skew", "kurtosis"):
+        return _merge_moment(name, count, total, col)
     if name in ("var", "std"):
         sums = col("sum")
         mean = sums.sum(0) / total
@@ -75,3 +79,22 @@ def _merge_one(name: str, col) -> torch.Tensor:
     values = torch.where(count > 0, col(name), fill)
     merged = values.amin(0) if name == "min" else values.amax(0)
     return torch.where(total > 0, merged, nan)
+
+
+def _merge_moment(name: str, count: torch.Tensor, total: torch.Tensor, col) -> torch.Tensor:
+    """skew or kurtosis of the whole from each rank's count, sum, var (correction 1), skew and kurtosis ([ranks,
+    parameters] each): each rank's central moments M2, M3, M4 (sums of the deviations' powers; 0 for a shard of one
+    element or of equal values, NaN where the shard held a NaN) moved to the whole's mean and added."""
+    sums = col("sum")
+    mean = sums.sum(0) / total
+    m2 = torch.where(count > 1, col("var") * (count - 1), 0.0)
+    spread = torch.where(count > 0, m2 / count, 0.0)  # the shard's population variance
+    m3 = torch.where(m2 == 0, 0.0, col("skew") * count * spread * spread.sqrt())
+    m4 = torch.where(m2 == 0, 0.0, (col("kurtosis") + 3.0) * count * spread * spread)
+    shift = torch.where(count > 0, sums / count - mean, 0.0)
+    whole_m2 = (m2 + count * shift.square()).sum(0) / total
+    if name == "skew":
+        whole_m3 = (m3 + 3.0 * shift * m2 + count * shift.pow(3)).sum(0) / total
+        return whole_m3 / (whole_m2 * whole_m2.sqrt())
+    whole_m4 = (m4 + 4.0 * shift * m3 + 6.0 * shift.square() * m2 + count * shift.pow(4)).sum(0) / total
+    return whole_m4 / whole_m2.square() - 3.0

@@ -51,7 +51,7 @@ def test_every_kernel_family_builds(reports, target):
     assert {"clip+scale+stats+hist", "clip+scale+stats+hist+amp", "clip+scale+stats+hist+shard", "stats-only",
             "normalise-by-norm", "standardise", "weight-decay(param)", "global-clip-scale", "agc(rows, one pass)",
             "column-norm(two passes)", "factored(rows+columns+whole)", "pow+selects",
-            "broadcast-result"} <= families
+            "broadcast-result", "clip+moments", "clip+moments+shard"} <= families
     assert {r["dtype"] for r in built} == {"fp32", "bf16", "fp16", "fp64"}
     assert len(built) == len(_of(reports, "cuda:90")), "every target builds the same kernels"
     assert all(r["registers"] for r in built), "the report names every kernel's registers"
