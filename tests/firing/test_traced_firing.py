@@ -19,9 +19,10 @@ def test_traced_cuda_firing_holds_the_kernels_fire_launches():
     proc = subprocess.run([sys.executable, str(WORKER)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert lines[-1] == "checked 62 cases", lines[-5:]
+    assert lines[-1] == "checked 68 cases", lines[-5:]
     # the families that launch several kernels, and the one-pass kernel over units, were among them
     assert any("reduce_units1_0 reduce_units1_1 reduce_whole2_0 fused_hook" in line for line in lines)
     assert any("reduce_level1 fused_hook, writes counter grad partials reduced stats" in line for line in lines)
     assert any(line.startswith("agc(rows, one pass)") and "fused_hook_units" in line for line in lines)
+    assert any(line.startswith("clip+moments") for line in lines)
     assert any("(scaler=)" in line and "found_inf" in line.partition("writes")[2] for line in lines)
