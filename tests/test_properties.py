@@ -35,7 +35,8 @@ def test_clamp_scale_matches_eager_for_any_values(values, dtype, lo, width, scal
 
 
 #: magnitudes where fp32 block sums and squared deviations (var/std) neither overflow nor underflow (docs/statistics.md,
-#: Statistics); norms and sumsq are squared in fp64 and get the whole fp32 range, subnormals included
+#: Statistics); norms and sumsq (squared in fp64, or in fp32 on values scaled by an exact power of two) get the whole
+#: fp32 range, subnormals included
 in_range = st.floats(width=32, min_value=-2.0**58, max_value=2.0**58).map(lambda v: v if abs(v) >= 2.0**-40 else 0.0)
 
 

@@ -168,11 +168,11 @@ def _clip_traced(grads: list[torch.Tensor], max_norm: float, norm_type: float, f
     so the norms are read from the gradients, as torch's clip_grad_norm_ reads them (each in its gradient's dtype, by
     torch's (device, dtype) groups; an empty gradient contributes 0), and no Python of fusedhooks runs when the graph
     runs. Returns the total norm (0-dim, the gradients' promoted dtype, the first gradient's device)."""
-    grouped = _group_by_device_and_dtype(grads)
+    groups = [(device, dtype, [grads[i] for i in members])
+              for (device, dtype), members in _group_by_device_and_dtype(grads)]
     first_device = grads[0].device
     norms = []
-    for (device, dtype), members in grouped:
-        group = [grads[i] for i in members]
+    for device, dtype, group in groups:
         counted = [g for g in group if g.numel()]
         values = _norms_from_grads(counted, device, norm_type, foreach) if counted else None
         if len(counted) != len(group):
@@ -182,14 +182,19 @@ def _clip_traced(grads: list[torch.Tensor], max_norm: float, norm_type: float, f
         norms.append(values.to(first_device))
     total_norm = torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), norm_type)
     coef = clip_coefficient(total_norm, max_norm)
-    for (device, _), members in grouped:
-        group = [grads[i] for i in members]
-        if foreach is False:
-            for g in group:
-                g.mul_(coef.to(device))
-        else:
-            torch._foreach_mul_(group, coef.to(device))
+    for device, _, group in groups:
+        _mul_(group, coef.to(device), foreach)
     return total_norm
+
+
+def _mul_(grads: list[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:
+    """Every gradient of `grads` (one device) times `coef` in place, as torch's clip_grad_norm_ does: one
+    `torch._foreach_mul_`, or one `mul_` each when foreach=False."""
+    if foreach is False:
+        for g in grads:
+            g.mul_(coef)
+    else:
+        torch._foreach_mul_(grads, coef)
 
 
 @torch.no_grad()
@@ -300,11 +305,7 @@ def _scale_by_total_norm(hook: GradHook, coefficient, norm_type: float, foreach:
         coef = clip_coef_clamped.to(g.device)
         group_grads = [grads[i] for i in g.members]
         if launcher.choose_backend(g.device, hook.backend) != "triton":
-            if foreach is False:
-                for t in group_grads:
-                    t.mul_(coef)
-            else:
-                torch._foreach_mul_(group_grads, coef)
+            _mul_(group_grads, coef, foreach)
             continue
         addresses = tuple(t.data_ptr() for t in group_grads)
         if g.table is None or copies or g.table_addresses != addresses:

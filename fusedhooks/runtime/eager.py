@@ -170,7 +170,7 @@ def tensor_stats(x: torch.Tensor, names: tuple[str, ...], scratch) -> list[float
         flat = flat.float()
     want = set(names)
     out = {"count": float(n)}
-    if want - {"count", "zeros"}:
+    if want - {"count", "zeros", *MOMENT_STATS}:
         lo, hi = (v.item() for v in torch.aminmax(flat))
         out["min"], out["max"] = lo, hi
         out["absmax"] = absmax = max(abs(lo), abs(hi)) if not (math.isnan(lo) or math.isnan(hi)) else math.nan

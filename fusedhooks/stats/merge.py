@@ -69,11 +69,8 @@ def _merge_one(name: str, col) -> torch.Tensor:
     if name in ("skew", "kurtosis"):
         return _merge_moment(name, count, total, col)
     if name in ("var", "std"):
-        sums = col("sum")
-        mean = sums.sum(0) / total
-        m2 = torch.where(count > 1, col("var") * (count - 1), 0.0).sum(0)
-        spread = torch.where(count > 0, count * (sums / count - mean).square(), 0.0).sum(0)
-        var = torch.where(total > 1, (m2 + spread) / (total - 1), nan)
+        m2, shift = _rank_deviations(count, total, col)
+        var = torch.where(total > 1, (m2.sum(0) + (count * shift.square()).sum(0)) / (total - 1), nan)
         return var if name == "var" else var.sqrt()
     fill = math.inf if name == "min" else -math.inf
     values = torch.where(count > 0, col(name), fill)
@@ -81,17 +78,22 @@ def _merge_one(name: str, col) -> torch.Tensor:
     return torch.where(total > 0, merged, nan)
 
 
+def _rank_deviations(count: torch.Tensor, total: torch.Tensor, col) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank's M2 (its sum of squared deviations from its mean, from its var of correction 1; 0 for fewer than 2
+    elements) and its mean less the whole's (0 for an empty shard), [ranks, parameters] each."""
+    sums = col("sum")
+    m2 = torch.where(count > 1, col("var") * (count - 1), 0.0)
+    return m2, torch.where(count > 0, sums / count - sums.sum(0) / total, 0.0)
+
+
 def _merge_moment(name: str, count: torch.Tensor, total: torch.Tensor, col) -> torch.Tensor:
     """skew or kurtosis of the whole from each rank's count, sum, var (correction 1), skew and kurtosis ([ranks,
     parameters] each): each rank's central moments M2, M3, M4 (sums of the deviations' powers; 0 for a shard of one
     element or of equal values, NaN where the shard held a NaN) moved to the whole's mean and added."""
-    sums = col("sum")
-    mean = sums.sum(0) / total
-    m2 = torch.where(count > 1, col("var") * (count - 1), 0.0)
+    m2, shift = _rank_deviations(count, total, col)
     spread = torch.where(count > 0, m2 / count, 0.0)  # the shard's population variance
     m3 = torch.where(m2 == 0, 0.0, col("skew") * count * spread * spread.sqrt())
     m4 = torch.where(m2 == 0, 0.0, (col("kurtosis") + 3.0) * count * spread * spread)
-    shift = torch.where(count > 0, sums / count - mean, 0.0)
     whole_m2 = (m2 + count * shift.square()).sum(0) / total
     if name == "skew":
         whole_m3 = (m3 + 3.0 * shift * m2 + count * shift.pow(3)).sum(0) / total
