@@ -9,7 +9,9 @@ Run it without TRITON_INTERPRET (Triton then compiles for GPU targets; `cuobjdum
 
 The model. A program of the single-gradient kernel (`fused_hook`) handles BLOCK elements with W warps; its SASS is
 straight-line code, each instruction issued once per warp (the last program's merge of the partials, once per
-gradient, is left out: the source is compiled without it). On pipe p an SM spends W x 32 x N_p / R_p clocks per
+gradient, is left out: the source is compiled without it; the statistics are those of a full block, FULL_BLOCKS, what
+every program but a gradient's last runs; a rare branch, as the sum of squares of a block holding an Inf, is counted
+as if it ran). On pipe p an SM spends W x 32 x N_p / R_p clocks per
 program, N_p the program's instructions on p and R_p the pipe's results per clock per SM (CUDA C++ Programming Guide,
 "Arithmetic Instructions", throughput table, compute capabilities 8.0 and 9.0); its four schedulers issue at most 4
 warp-instructions per clock. The kernel's time is the largest of the pipes' times, the issue time and the memory time
@@ -67,7 +69,8 @@ RATES = {
 PIPES = {
     "fp32": {"FADD", "FMUL", "FFMA", "FSWZADD"},
     "fp64": {"DADD", "DMUL", "DFMA", "DSETP", "DMNMX"},
-    "alu": {"IADD3", "IMAD", "IMNMX", "ISETP", "LOP3", "SHF", "SGXT", "SEL", "FSEL", "FSETP", "FMNMX", "LEA", "PRMT",
+    "alu": {"IADD3", "IMAD", "IMNMX", "ISETP", "LOP3", "SHF", "SGXT", "SEL", "FSEL", "FSETP", "FSET", "FMNMX", "LEA",
+            "PRMT",
             "VIADD", "IABS", "BMSK", "MOV", "IDP", "VIMNMX", "PLOP3", "P2R", "R2P", "FCHK"},
     "half2": {"HADD2", "HMUL2", "HFMA2", "HSETP2", "HMNMX2"},
     "conversion": {"F2F", "F2I", "I2F", "F2FP", "I2FP", "F2IP", "POPC", "FLO", "BREV"},
@@ -180,7 +183,8 @@ def kernel_sass(hook, dtype, arch: int) -> tuple[str, int, int]:
     signature = module.SIGNATURES["fused_hook"]
     block = default_block(dtype)
     warps = default_num_warps(block, dtype)
-    constexprs = {k: v for k, v in {"ALIGNED": True, "BLOCK": block, "RBLOCK": 1024}.items() if k in signature}
+    constexprs = {k: v for k, v in {"ALIGNED": True, "BLOCK": block, "RBLOCK": 1024, "FULL_BLOCKS": True}.items()
+                  if k in signature}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
     options = {"num_warps": warps, "enable_fp_fusion": False}
     compiled = triton.compile(ASTSource(module.fused_hook, signature, constexprs, attrs),

@@ -15,29 +15,65 @@ N_PARTIALS = tl.constexpr(16)  # fusedhooks.launch_spec.PARTIAL_WIDTH
 
 
 @triton.jit
+def _valid(x, mask, other, FULL: tl.constexpr):
+    """x where the lane is valid, else `other` (every lane is valid in a FULL block)."""
+    if FULL:
+        return x
+    else:
+        return tl.where(mask, x, other)
+
+
+@triton.jit
+def _count(flags, mask, FULL: tl.constexpr):
+    """How many valid lanes have `flags` set, as fp64. Summed as fp32 ones (exact below 2**24 lanes): a compare
+    that writes 1.0 or 0.0 and an add on the fp32 pipe, where an int32 count takes a compare, a select and an
+    integer add on the ALU pipe that the statistics fill."""
+    return tl.sum(_valid(flags, mask, False, FULL).to(tl.float32), axis=0).to(tl.float64)
+
+
+@triton.jit
 def store_partials(x, mask, n_valid, out_ptr,
                    SUM: tl.constexpr, M2: tl.constexpr, SUMSQ: tl.constexpr,
-                   MINMAX: tl.constexpr, COUNTS: tl.constexpr, M34: tl.constexpr):
+                   MINMAX: tl.constexpr, COUNTS: tl.constexpr, M34: tl.constexpr, FULL: tl.constexpr):
     """Reduce one block and store its partials.
 
     x: fp32/fp64 [BLOCK] values (lanes outside `mask` ignored); n_valid: int64, lanes in `mask`;
     out_ptr: *fp64, N_PARTIALS slots. The flags choose which partials are computed (the rest is 0).
+    FULL: every lane is valid (the launch's FULL_BLOCKS: no program's block is partial); the same operations on the
+    same values without the per-element selects of the mask, so the same bits either way for a block of valid lanes.
     """
-    if COUNTS:
-        tl.store(out_ptr + 5, tl.sum((mask & (x != x)).to(tl.int32), axis=0).to(tl.float64))
-        tl.store(out_ptr + 6, tl.sum((mask & (tl.abs(x) == float("inf"))).to(tl.int32), axis=0).to(tl.float64))
-        tl.store(out_ptr + 7, tl.sum((mask & (x == 0)).to(tl.int32), axis=0).to(tl.float64))
+    # the sum of squares of a block with M2 comes from the deviations' sums (below), which needs to know whether
+    # the block holds a NaN
+    SUMSQ_FROM_M2: tl.constexpr = SUMSQ and M2 and x.dtype != tl.float64
+    if COUNTS or SUMSQ_FROM_M2:
+        if x.shape[0] * x.shape[0] <= 16777216:
+            # NaNs and Infs in one sum, packed = BLOCK * inf - nan: they are disjoint, so nan <= BLOCK - inf and
+            # every partial sum lies in [-BLOCK, BLOCK**2], an exact fp32 integer; then inf = ceil(packed / BLOCK)
+            # (at least 0: a block of NaNs alone sums to -BLOCK), nan = BLOCK * inf - packed, exact (BLOCK is a
+            # power of two)
+            packed = tl.sum(_valid(tl.fma((tl.abs(x) == float("inf")).to(tl.float32), x.shape[0],
+                                          -(x != x).to(tl.float32)), mask, 0.0, FULL), axis=0)
+            infs = tl.maximum(tl.ceil(packed * (1.0 / x.shape[0])), 0.0).to(tl.int32)
+            nans = (infs * x.shape[0] - packed.to(tl.int32)).to(tl.float64)
+            infs = infs.to(tl.float64)
+        else:
+            nans = _count(x != x, mask, FULL)
+            infs = _count(tl.abs(x) == float("inf"), mask, FULL)
+        if COUNTS:
+            tl.store(out_ptr + 5, nans)
+            tl.store(out_ptr + 6, infs)
+            tl.store(out_ptr + 7, _count(x == 0, mask, FULL))
     if MINMAX:
         # NaN is not left out: a block with a NaN counts it (MINMAX comes with COUNTS), and the merge then makes min,
         # max and absmax NaN whatever these partials hold
-        mn = tl.min(tl.where(mask, x, float("inf")), axis=0)
-        mx = tl.max(tl.where(mask, x, float("-inf")), axis=0)
+        mn = tl.min(_valid(x, mask, float("inf"), FULL), axis=0)
+        mx = tl.max(_valid(x, mask, float("-inf"), FULL), axis=0)
         tl.store(out_ptr + 3, mn.to(tl.float64))
         tl.store(out_ptr + 4, mx.to(tl.float64))
     if SUMSQ and not (SUM or MINMAX or x.dtype == tl.float64):
         # squares in fp64: no overflow above ~1.8e19 nor underflow below ~1e-19 (CPU torch's double), with no
         # reduction first (the largest |x|, which a power-of-two scaling needs, is not known here)
-        x64 = tl.where(mask, x, 0.0).to(tl.float64)
+        x64 = _valid(x, mask, 0.0, FULL).to(tl.float64)
         tl.store(out_ptr + 1, tl.sum(x64 * x64, axis=0))
     elif SUM or SUMSQ:
         if x.dtype == tl.float64:
@@ -51,20 +87,20 @@ def store_partials(x, mask, n_valid, out_ptr,
             if MINMAX:
                 absmax = tl.maximum(tl.abs(mn), tl.abs(mx))
             else:
-                absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
+                absmax = tl.max(_valid(tl.abs(x), mask, 0.0, FULL), axis=0)
             exponent = ((absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
             shift = tl.minimum(tl.maximum(1 - exponent, -126), 127)
             xs = x * ((shift + 127) << 23).to(tl.float32, bitcast=True)
             unscale = ((1023 - shift).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2 ** -shift
-        xs = tl.where(mask, xs, 0.0)
-        if SUMSQ:
+        xs = _valid(xs, mask, 0.0, FULL)
+        if SUMSQ and not SUMSQ_FROM_M2:
             tl.store(out_ptr + 1, tl.sum(xs * xs, axis=0).to(tl.float64) * unscale * unscale)
         if SUM:
             block_sum = tl.sum(xs, axis=0)
             tl.store(out_ptr + 0, block_sum.to(tl.float64) * unscale)
             if M2:
                 block_mean = block_sum / n_valid.to(xs.dtype)
-                dev = tl.where(mask, xs - block_mean, 0.0)
+                dev = _valid(xs - block_mean, mask, 0.0, FULL)
                 # the corrected two-pass sum: less (sum of deviations)^2 / n, which takes out what the block mean's
                 # rounding adds (n times its error squared: 1.4e-5 of the variance of 3 values near 5.6e6, unmended);
                 # never below 0 (equal deviations can round the difference to -0.0 or a few ulps under)
@@ -73,6 +109,18 @@ def store_partials(x, mask, n_valid, out_ptr,
                 dev2_sum = tl.sum(dev2, axis=0)
                 m2 = tl.maximum(dev2_sum - dev_sum * dev_sum / n_valid.to(xs.dtype), 0.0)
                 tl.store(out_ptr + 2, m2.to(tl.float64) * unscale * unscale)
+                if SUMSQ_FROM_M2:
+                    # from the deviations' sums, with no square and sum of its own: sum(xs^2) = sum((dev + mean)^2)
+                    # = dev2_sum + mean (2 dev_sum + n mean), in fp64 from fp32 sums: within about 26 fp32 ulps of
+                    # the exact sum (|2 mean dev_sum| is at most the other two terms' sum). A block with an Inf has
+                    # NaN deviations: its sum of squares is Inf, or NaN with a NaN too (told by the NaN count, not by
+                    # a branch: ptxas spilled a register for one).
+                    mean64 = block_mean.to(tl.float64)
+                    sumsq = tl.maximum(dev2_sum.to(tl.float64) + mean64 * (2.0 * dev_sum.to(tl.float64)
+                                                                           + n_valid.to(tl.float64) * mean64),
+                                       0.0, propagate_nan=tl.PropagateNan.ALL)
+                    sumsq = tl.where(absmax < float("inf"), sumsq, tl.where(nans > 0, float("nan"), float("inf")))
+                    tl.store(out_ptr + 1, sumsq * unscale * unscale)
                 if M34:
                     # about the block's exact mean, which is the rounded one plus c, the deviations' mean
                     c = dev_sum / n_valid.to(xs.dtype)

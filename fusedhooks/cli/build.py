@@ -25,6 +25,9 @@ from .. import config
 #: The targets `python -m fusedhooks build` knows: (backend, arch, warp size).
 TARGETS = {"cuda:80": ("cuda", 80, 32), "cuda:90": ("cuda", 90, 32), "hip:gfx942": ("hip", "gfx942", 64)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+#: targets that also build the statistics kernels as launched when every block is full (FULL_BLOCKS): the gated one;
+#: elsewhere that variant is the general one less the mask's selects, and building it would cost half the time again
+FULL_BLOCKS_TARGETS = ("cuda:90",)
 
 
 @dataclass
@@ -110,9 +113,11 @@ def _plans(hook, dtype: torch.dtype):
                                   partial_stats(hook.input_stat_names), hist_range=hook.hist_range)
 
 
-def kernels(dtypes=("fp32", "bf16", "fp16", "fp64"), only: str | None = None):
+def kernels(dtypes=("fp32", "bf16", "fp16", "fp64"), only: str | None = None, full_blocks: bool = True):
     """(family, dtype name, kernel name, JITFunction, signature, constexprs) of everything the runtime launches (only:
-    that family alone, a families() name or "global-clip-scale")."""
+    that family alone, a families() name or "global-clip-scale"). A kernel that takes FULL_BLOCKS comes as launched
+    for a gradient with a partial last block (FULL_BLOCKS false) and, when `full_blocks`, as launched without (family
+    "...+full")."""
     from ..codegen import generate
     from ..compiler import dims
     from ..runtime import launcher
@@ -128,7 +133,14 @@ def kernels(dtypes=("fp32", "bf16", "fp16", "fp64"), only: str | None = None):
                 if module.SPEC.one_pass:
                     constexprs.update(dims.units_launch(constexprs["BLOCK"], [plan.units.unit_sizes]))
                 for name, signature in module.SIGNATURES.items():
-                    yield family + variant, dname, name, getattr(module, name), signature, constexprs
+                    if "FULL_BLOCKS" in signature:
+                        yield family + variant, dname, name, getattr(module, name), signature, constexprs | {
+                            "FULL_BLOCKS": False}
+                        if full_blocks:
+                            yield (family + variant + "+full", dname, name, getattr(module, name), signature,
+                                   constexprs | {"FULL_BLOCKS": True})
+                    else:
+                        yield family + variant, dname, name, getattr(module, name), signature, constexprs
     from ..kernels import multi_tensor
     from ..kernels.multi_tensor import TL_DTYPES
 
@@ -160,7 +172,7 @@ def build(target: str, dtypes=("fp32", "bf16", "fp16", "fp64"), num_warps: int |
     backend, arch, warp = TARGETS[target]
     gpu = GPUTarget(backend, arch, warp)
     reports = []
-    everything = list(kernels(dtypes, only))
+    everything = list(kernels(dtypes, only, full_blocks=target in FULL_BLOCKS_TARGETS))
     progress = Progress(len(everything), f"fusedhooks build {target}", bar=bar)
     for family, dname, name, fn, signature, constexprs in everything:
         progress.step(f"{family} {dname} {name}")

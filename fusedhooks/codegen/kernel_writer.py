@@ -113,6 +113,9 @@ class KernelWriter:
                              "(runtime.aligned)"),
                  ("BLOCK", "BLOCK: tl.constexpr,  # elements per program"),
                  ("RBLOCK", "RBLOCK: tl.constexpr,  # partial rows merged at a time")]
+        if self.full_blocks and (self.reductions or p.slots):
+            args.append(("FULL_BLOCKS", "FULL_BLOCKS: tl.constexpr,  # every numel a multiple of BLOCK: no "
+                                        "program's block is partial (statistics without the mask's selects)"))
         return args + self.tile_arguments()
 
     def workspace_arguments(self, per: str) -> list[tuple[str, str]]:
@@ -123,6 +126,9 @@ class KernelWriter:
     def size_arguments(self) -> list[tuple[str, str]]:
         """(role, source line) of the arguments after `numel` that give the gradient's sizes; none here."""
         return []
+
+    #: the kernels over blocks of BLOCK elements take FULL_BLOCKS (see `partial_lines`)
+    full_blocks = True
 
     def tile_arguments(self) -> list[tuple[str, str]]:
         """(role, source line) of the constexprs after RBLOCK; none here."""
@@ -252,12 +258,15 @@ class KernelWriter:
                 lines.append(action.format(_merged(spec)))
         return lines
 
-    def partial_lines(self, sets: list[_ReductionSet]) -> list[str]:
+    def partial_lines(self, sets: list[_ReductionSet], per_program: str = "BLOCK") -> list[str]:
+        """The partials of each set; over blocks of BLOCK elements without the mask when FULL_BLOCKS (programs over
+        units keep it)."""
+        full = "FULL_BLOCKS" if self.full_blocks and per_program == "BLOCK" else "False"
         lines = []
         for k, rs in enumerate(sets):
             flags = ", ".join(f"{f}={rs.flags.get(f, False)}" for f in PARTIAL_FLAGS)
             row = f"partials_ptr + (pid * {len(sets)} + {k}) * {PARTIAL_WIDTH}"
-            lines.append(f"store_partials({rs.x}, mask, n_valid, {row}, {flags})")
+            lines.append(f"store_partials({rs.x}, mask, n_valid, {row}, {flags}, FULL={full})")
         return lines
 
     def hist_lines(self, out_value: str) -> tuple[list[str], list[str]]:
@@ -311,7 +320,7 @@ class KernelWriter:
         lines.append(f"n_valid = tl.minimum(numel - pid * {per_program}, {per_program})")
         if single:
             lines.append("tl.debug_barrier()")
-        lines += self.partial_lines(sets) + hist_acc
+        lines += self.partial_lines(sets, per_program) + hist_acc
         merge = self.merge_lines(sets, "1" if single else "num_blocks", per_program) + hist_flush
         if single:
             return lines + ["tl.debug_barrier()"] + merge

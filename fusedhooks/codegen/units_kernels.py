@@ -16,6 +16,9 @@ from .launch_spec import KERNEL_NAME, LaunchSpec, hist_pad
 class UnitsKernelWriter(KernelWriter):
     """Writes the kernels of a plan that reduces over dimensions (plan.units); they share one signature."""
 
+    full_blocks = False  # no FULL_BLOCKS: their statistics keep the mask
+
+
     def workspace_arguments(self, per: str) -> list[tuple[str, str]]:
         """The units workspace and, where programs share blocks of units, their accumulators and counters (one
         pass: none, the program holds the results)."""

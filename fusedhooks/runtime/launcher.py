@@ -288,9 +288,14 @@ def launch_traced(kernel, grid: tuple, *args, **meta) -> None:
     torch.library.wrap_triton(kernel)[grid](*args, **meta)
 
 
-def kernel_meta(module, device: torch.device, numel: int, block: int, hint: bool, dtype: torch.dtype) -> dict:
-    """The constexprs and compile options of a launch of `module`'s kernels on `numel` elements of `dtype`."""
-    return {"ALIGNED": hint, "BLOCK": block, "RBLOCK": RBLOCK, **launch_options(module, device, numel, block, dtype)}
+def kernel_meta(module, device: torch.device, numel: int, block: int, hint: bool, dtype: torch.dtype,
+                full_blocks: bool = False) -> dict:
+    """The constexprs and compile options of a launch of `module`'s kernels on `numel` elements of `dtype`;
+    full_blocks: every gradient's numel a multiple of `block` (FULL_BLOCKS, for kernels that take it)."""
+    meta = {"ALIGNED": hint, "BLOCK": block, "RBLOCK": RBLOCK}
+    if "FULL_BLOCKS" in module.SPEC.args:
+        meta["FULL_BLOCKS"] = full_blocks
+    return meta | launch_options(module, device, numel, block, dtype)
 
 
 def bind_single(module, numel: int, hint: bool, device: torch.device, dtype: torch.dtype, workspace: Workspace,
@@ -301,7 +306,7 @@ def bind_single(module, numel: int, hint: bool, device: torch.device, dtype: tor
     units: (units, elements of each) of the gradient, for a one-pass kernel over units."""
     block = config["block"] if config else block_size(module, device, dtype)
     grid = -(-numel // block)
-    meta = kernel_meta(module, device, numel, block, hint, dtype)
+    meta = kernel_meta(module, device, numel, block, hint, dtype, numel % block == 0)
     values = {"numel": numel}
     if module.SPEC.one_pass:
         meta.update(units_launch(block, [units]))
@@ -571,7 +576,8 @@ def fire_bucket(plan: Plan, module, grads: list[torch.Tensor], params: list[torc
     bound = table.bound.get(hint)
     if bound is None:
         block = block_size(module, device, dtype)
-        meta = kernel_meta(module, device, sum(numels), block, hint, dtype) | table.units_meta
+        meta = kernel_meta(module, device, sum(numels), block, hint, dtype,
+                           all(numel % block == 0 for numel in numels)) | table.units_meta
         values = {"table": table.table, "n_tensors": table.n_tensors, "partial_values": table.partial_values}
         bound = table.bound[hint] = bind(module, True, table.n_programs, workspace, scalars, values, meta)
     bound.run((None, None, stats) + (_NO_AMP if amp is None else amp))
