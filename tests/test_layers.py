@@ -139,7 +139,7 @@ FLOORS = [
     ["fusedhooks.__main__", "fusedhooks.cli"],          # the command line: build, tune, demo
     ["fusedhooks"],                                     # the package's face: the public names
     ["fusedhooks.integrations"],                        # HF Trainer, Lightning, TensorBoard
-    ["fusedhooks.clipping"],                            # clipping across gradients: takes or makes a hook
+    ["fusedhooks.clipping", "fusedhooks.optim"],        # clipping across gradients; the owned optimizer steps
     ["fusedhooks.api"],                                 # the hook object, a facade over the floors below
     ["fusedhooks.registration"],                        # register(): tensors, modules, DDP, FSDP2; gates
     ["fusedhooks.firing"],                              # the one firing, dispatch, buckets, shards, traced op, AMP

@@ -165,6 +165,11 @@ def _check_agc_adagc(ns, out):
     assert ns["agc"].stats.read()["weight"]["norm"] > 0 and ns["adagc"].stats.read()["weight"]["norm_ema"] > 0
 
 
+def _check_optimizers(ns, out):
+    assert ns["opt"].param_groups[0]["lr"] == 1e-3 / 4 and isinstance(ns["opt"], ns["torch"].optim.AdamW)
+    assert ns["loaded"].state_dict()["state"][0]["step"].item() == 3
+
+
 def _check_whole_tensor_plan(ns, out):
     assert out.split() == ["2", "1"]
 
@@ -190,6 +195,7 @@ CHECKS = {
     ("docs/reductions.md", "Reductions in the body: normalisation and clipping by the tensor's own statistics", 1):
         _check_whole_tensor_plan,
     ("docs/reductions.md", "Over dimensions", 0): _check_reductions_over_dimensions,
+    ("docs/optimizers.md", "Optimizers: fh.AdamW and fh.SGD", 0): _check_optimizers,
 }
 
 

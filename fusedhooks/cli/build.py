@@ -144,18 +144,39 @@ def kernels(dtypes=("fp32", "bf16", "fp16", "fp64"), only: str | None = None, fu
     from ..kernels import multi_tensor
     from ..kernels.multi_tensor import TL_DTYPES
 
-    if only is not None and only != "global-clip-scale":
-        return
     block, chunk = multi_tensor.launch_config([1 << 24], "cuda")
+    if only is None or only == "global-clip-scale":
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            if dtype not in TL_DTYPES:
+                continue
+            signature = {"table_ptr": "*i64", "coef_ptr": "*" + dname, "n_tensors": "i32", "DTYPE": "constexpr",
+                         "ROUND_COEF": "constexpr", "ALIGNED": "constexpr", "CHUNK": "constexpr",
+                         "BLOCK": "constexpr"}
+            constexprs = {"DTYPE": TL_DTYPES[dtype], "ROUND_COEF": dname in ("fp16", "bf16"), "ALIGNED": True,
+                          "CHUNK": chunk, "BLOCK": block}
+            yield "global-clip-scale", dname, "scale_kernel", multi_tensor.scale_kernel, signature, constexprs
+    if only is None or only == "optimizer-step":
+        yield from _optimizer_kernels(dtypes, block, chunk)
+
+
+def _optimizer_kernels(dtypes, block: int, chunk: int):
+    """The optimizer steps of fh.AdamW (with and without amsgrad) and fh.SGD (Nesterov momentum), as `kernels`."""
+    from ..kernels import optim
+    from ..kernels.multi_tensor import TL_DTYPES
+
+    pointers = {"table_ptr": "*i64", "hyper_ptr": "*fp64", "coef_ptr": "*fp32", "found_inf_ptr": "*fp32",
+                "n_tensors": "i32"}
     for dname in dtypes:
-        dtype = DTYPES[dname]
-        if dtype not in TL_DTYPES:
-            continue
-        signature = {"table_ptr": "*i64", "coef_ptr": "*" + dname, "n_tensors": "i32", "DTYPE": "constexpr",
-                     "ROUND_COEF": "constexpr", "ALIGNED": "constexpr", "CHUNK": "constexpr", "BLOCK": "constexpr"}
-        constexprs = {"DTYPE": TL_DTYPES[dtype], "ROUND_COEF": dname in ("fp16", "bf16"), "ALIGNED": True,
-                      "CHUNK": chunk, "BLOCK": block}
-        yield "global-clip-scale", dname, "scale_kernel", multi_tensor.scale_kernel, signature, constexprs
+        dt = TL_DTYPES[DTYPES[dname]]
+        common = {"ALIGNED": True, "CHUNK": chunk, "BLOCK": min(block, optim.GPU_BLOCK[DTYPES[dname].itemsize])}
+        for amsgrad in (False, True):
+            constexprs = {"DTYPE": dt, "AMSGRAD": amsgrad, "MAXIMIZE": False, **common}
+            yield ("optimizer-step" + ("+amsgrad" if amsgrad else ""), dname, "adamw_kernel", optim.adamw_kernel,
+                   pointers | dict.fromkeys(constexprs, "constexpr"), constexprs)
+        constexprs = {"DTYPE": dt, "MOMENTUM": True, "NESTEROV": True, "MAXIMIZE": False, **common}
+        yield ("optimizer-step", dname, "sgd_kernel", optim.sgd_kernel,
+               pointers | dict.fromkeys(constexprs, "constexpr"), constexprs)
 
 
 def build(target: str, dtypes=("fp32", "bf16", "fp16", "fp64"), num_warps: int | None = None,

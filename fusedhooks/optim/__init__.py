@@ -1,0 +1,209 @@
+"""`fh.AdamW` and `fh.SGD`: torch's optimizers, stepped by fusedhooks' kernels.
+
+They subclass `torch.optim.AdamW` and `torch.optim.SGD`: the same hyper-parameters and checks, `param_groups` (LR
+schedulers change `lr` as usual) and `state_dict` layout (`step`, `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`;
+`momentum_buffer`), which loads into torch's optimizers and from them. Only `step()` differs: for the parameters of
+a group on one device with one dtype (fp32, bf16, fp16, fp64), one launch (`kernels.optim`) reads each gradient,
+parameter and state once and writes the parameter and its states once, computing as torch's fused optimizers do (in
+fp32 for 16-bit and fp32 tensors, rounded once per stored value). The learning rate, betas, eps, weight decay and
+the step counts are read on the device at each launch: a schedule compiles nothing new. A step keeps `step` of
+each parameter as a float32 tensor on the parameter's device, as torch's fused optimizers do.
+
+Parameters the kernels do not take (not contiguous, or on a device with neither CUDA nor the Triton interpreter:
+CPU without TRITON_INTERPRET=1) are stepped by torch's own single-tensor implementation, with the same state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam as torch_adam
+from torch.optim.sgd import sgd as torch_sgd
+
+from ..runtime import launcher
+
+__all__ = ["AdamW", "SGD"]
+
+#: the dtypes the kernels step (kernels.multi_tensor.TL_DTYPES; the kernels import triton, so they are imported at
+#: the first step)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _takes(p: torch.Tensor, states: list[torch.Tensor]) -> bool:
+    """Do the kernels step `p` (its gradient and its states `states`): a Triton device, a dtype they know, every
+    tensor contiguous, the gradient of the parameter's dtype."""
+    g = p.grad
+    return (p.dtype in KERNEL_DTYPES and g.dtype == p.dtype and p.is_contiguous() and g.is_contiguous()
+            and all(s.is_contiguous() for s in states) and launcher.choose_backend(p.device) == "triton")
+
+
+def _hyper(values: list, device: torch.device) -> torch.Tensor:
+    """fp64 [len(values)] on `device`, without a host sync (a tensor value, as a tensor lr, is copied on the
+    device)."""
+    if not any(isinstance(v, torch.Tensor) for v in values):
+        return launcher.host_to_device([float(v) for v in values], torch.float64, device)
+    return torch.stack([v.to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+                        else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values])
+
+
+class _KernelSteps:
+    """What both optimizers keep for their launches: the tables by (group, device, dtype), and the gradient's
+    multiplier (1.0) and found_inf (0.0) of each device."""
+
+    def _kernel_books(self) -> tuple[dict, dict]:
+        books = self.__dict__.get("_fh_books")
+        if books is None:
+            books = self.__dict__["_fh_books"] = ({}, {})
+        return books
+
+    def _table(self, key: tuple, parts: dict, device: torch.device):
+        """The kernels.optim.OptimTable of `parts` for `key` (group index, device, dtype), kept while `parts`
+        stay."""
+        from ..kernels import optim as kernels
+
+        tables, _ = self._kernel_books()
+        table = tables.get(key)
+        if table is None or table.key != kernels.table_key(parts):
+            table = tables[key] = kernels.build_table(parts, device, key[2].itemsize)
+        return table
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        _, constants = self._kernel_books()
+        pair = constants.get(device)
+        if pair is None:
+            pair = constants[device] = (torch.ones((), device=device), torch.zeros((), device=device))
+        return pair
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of every parameter with a gradient (`_step_group` of each group); returns what `closure`
+        (re-evaluating the loss) returns."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            self._step_group(index, group)
+        return loss
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_fh_books", None)  # device tensors and addresses: made again at the next step
+        return state
+
+
+def _by_device_dtype(params: list[torch.Tensor]) -> dict[tuple, list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    return groups
+
+
+class AdamW(_KernelSteps, torch.optim.AdamW):
+    """torch.optim.AdamW (lr, betas, eps, weight_decay, amsgrad, maximize), stepped by one kernel per device and
+    dtype of each group (see the module docstring). `foreach`, `capturable`, `differentiable` and `fused` are not
+    taken: the step is fusedhooks'."""
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         maximize=maximize)
+
+    def _step_group(self, index: int, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        amsgrad, (beta1, beta2) = group["amsgrad"], group["betas"]
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError("AdamW does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if amsgrad:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif state["step"].device != p.device or state["step"].dtype != torch.float32:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)  # from torch's CPU count
+        kernel, torch_steps = [], []
+        for p in params:
+            state = self.state[p]
+            states = [state["exp_avg"], state["exp_avg_sq"]] + ([state["max_exp_avg_sq"]] if amsgrad else [])
+            (kernel if _takes(p, states) else torch_steps).append(p)
+        if kernel:
+            from ..kernels.optim import adamw_
+        for (device, dtype), members in _by_device_dtype(kernel).items():
+            ps = [kernel[i] for i in members]
+            steps = [self.state[p]["step"] for p in ps]
+            torch._foreach_add_(steps, 1)
+            live = [p for p in ps if p.numel()]
+            if not live:
+                continue
+            parts = {"param": [p.data_ptr() for p in live], "grad": [p.grad.data_ptr() for p in live],
+                     "state1": [self.state[p]["exp_avg"].data_ptr() for p in live],
+                     "state2": [self.state[p]["exp_avg_sq"].data_ptr() for p in live],
+                     "state3": [self.state[p]["max_exp_avg_sq"].data_ptr() if amsgrad else 0 for p in live],
+                     "step": [self.state[p]["step"].data_ptr() for p in live],
+                     "numel": [p.numel() for p in live], "first_step": [0] * len(live)}
+            table = self._table((index, device, dtype), parts, device)
+            hyper = _hyper([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]], device)
+            one, zero = self._constants(device)
+            adamw_(table, hyper, one, zero, dtype, amsgrad, group["maximize"], launcher.launch)
+        if torch_steps:
+            states = [self.state[p] for p in torch_steps]
+            torch_adam(
+                torch_steps, [p.grad for p in torch_steps], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+                [s["step"] for s in states], foreach=False, capturable=False, differentiable=False, fused=False,
+                has_complex=any(torch.is_complex(p) for p in torch_steps), decoupled_weight_decay=True,
+                amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                eps=group["eps"], maximize=group["maximize"])
+
+
+class SGD(_KernelSteps, torch.optim.SGD):
+    """torch.optim.SGD (lr, momentum, dampening, weight_decay, nesterov, maximize), stepped by one kernel per device
+    and dtype of each group (see the module docstring). `foreach`, `differentiable` and `fused` are not taken."""
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False):
+        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                         nesterov=nesterov, maximize=maximize)
+
+    def _step_group(self, index: int, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        momentum = group["momentum"]
+        kernel, torch_steps = [], []
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError("fh.SGD steps dense gradients: use torch.optim.SGD for sparse ones")
+            buf = self.state[p].get("momentum_buffer")
+            (kernel if _takes(p, [] if buf is None else [buf]) else torch_steps).append(p)
+        if kernel:
+            from ..kernels.optim import sgd_
+        for (device, dtype), members in _by_device_dtype(kernel).items():
+            ps = [kernel[i] for i in members]
+            first = [int(momentum != 0 and self.state[p].get("momentum_buffer") is None) for p in ps]
+            if momentum != 0:
+                for p, is_first in zip(ps, first):
+                    if is_first:  # the kernel writes it: the gradient (weight decay included), as torch's clone
+                        self.state[p]["momentum_buffer"] = torch.empty_like(p)
+            first = [f for p, f in zip(ps, first) if p.numel()]
+            live = [p for p in ps if p.numel()]
+            if not live:
+                continue
+            parts = {"param": [p.data_ptr() for p in live], "grad": [p.grad.data_ptr() for p in live],
+                     "state1": [self.state[p]["momentum_buffer"].data_ptr() if momentum != 0 else 0 for p in live],
+                     "state2": [0] * len(live), "state3": [0] * len(live), "step": [0] * len(live),
+                     "numel": [p.numel() for p in live], "first_step": first}
+            table = self._table((index, device, dtype), parts, device)
+            hyper = _hyper([group["lr"], momentum, group["dampening"], group["weight_decay"]], device)
+            one, zero = self._constants(device)
+            sgd_(table, hyper, one, zero, dtype, momentum != 0, group["nesterov"], group["maximize"],
+                 launcher.launch)
+        if torch_steps:
+            bufs = [self.state[p].get("momentum_buffer") for p in torch_steps]
+            torch_sgd(torch_steps, [p.grad for p in torch_steps], bufs, foreach=False, fused=False,
+                                weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+                                dampening=group["dampening"], nesterov=group["nesterov"],
+                                maximize=group["maximize"])
+            if momentum != 0:
+                for p, buf in zip(torch_steps, bufs):
+                    self.state[p]["momentum_buffer"] = buf

@@ -1,0 +1,277 @@
+"""Optimizer steps over many tensors of one dtype on one device, one launch each: AdamW (decoupled weight decay,
+amsgrad, maximize) and SGD (momentum, dampening, nesterov, weight decay, maximize), computed as torch's fused
+optimizers compute them: in fp32 for fp32, bf16 and fp16 tensors (each loaded value widened, each stored value
+rounded to nearest even once), in fp64 for fp64 tensors; the bias corrections in fp64.
+
+How a launch finds its tensors: a table (int64, on the tensors' device) of the parts TABLE_PARTS, each n_tensors long
+(addresses of the parameter, its gradient, its first state (exp_avg, or SGD's momentum buffer), its second state
+(exp_avg_sq), amsgrad's max_exp_avg_sq, its step count (a float32 0-dim tensor, torch's `state["step"]`; AdamW), the
+numel, and SGD's first-step flag: the momentum buffer starts as the gradient), then (tensor, first element) per
+program, as `multi_tensor`'s table. The tensors are contiguous (each one span of storage, the same layout).
+
+What changes between steps is read on the device, so a learning-rate schedule compiles nothing new: the
+hyper-parameters (`hyper_ptr`, fp64: AdamW lr, beta1, beta2, eps, weight_decay; SGD lr, momentum, dampening,
+weight_decay), the step counts, and the gradient's multiplier and found_inf (`coef_ptr`, `found_inf_ptr`, float32
+0-dim: a clip coefficient or AMP's inverse scale; a non-zero found_inf skips the step, as torch's fused kernels do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .elementwise import bf16_to_fp32, to_bf16
+from .multi_tensor import TL_DTYPES, launch_config
+
+#: The table's per-tensor parts, in order, each n_tensors int64s; then (tensor, first element) per program.
+TABLE_PARTS = ("param", "grad", "state1", "state2", "state3", "step", "numel", "first_step")
+
+
+@triton.jit
+def _load(ptr, offsets, mask, DTYPE: tl.constexpr, MATH: tl.constexpr):
+    """Elements of a DTYPE tensor, widened to MATH (fp32, or fp64 for fp64 tensors); mask None: a full block (no
+    mask: vector loads for aligned tensors)."""
+    if mask is None:
+        x = tl.load(ptr + offsets)
+    else:
+        x = tl.load(ptr + offsets, mask=mask, other=0)
+    if DTYPE == tl.bfloat16:
+        return bf16_to_fp32(x)
+    else:
+        return x.to(MATH)
+
+
+@triton.jit
+def _store(ptr, offsets, x, mask, DTYPE: tl.constexpr):
+    """Store x rounded to DTYPE (to nearest even; bf16 by bits in the interpreter, whose cast truncates); mask None:
+    a full block."""
+    if DTYPE == tl.bfloat16:
+        y = to_bf16(x)
+    else:
+        y = x.to(DTYPE)
+    if mask is None:
+        tl.store(ptr + offsets, y)
+    else:
+        tl.store(ptr + offsets, y, mask=mask)
+
+
+@triton.jit
+def _program(table_ptr, n_tensors, found_inf_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """(tensor, first element, end) of this program's chunk of its tensor, from the table; an empty chunk (end ==
+    first) when found_inf is non-zero: no element is stepped."""
+    pid = tl.program_id(0).to(tl.int64)
+    tensor = tl.load(table_ptr + 8 * n_tensors + 2 * pid)
+    first = tl.multiple_of(tl.load(table_ptr + 8 * n_tensors + 2 * pid + 1), BLOCK)
+    end = tl.minimum(first + CHUNK, tl.load(table_ptr + 6 * n_tensors + tensor))
+    return tensor, first, tl.where(tl.load(found_inf_ptr) != 0, first, end)
+
+
+@triton.jit
+def _span(table_ptr, n_tensors, part, tensor, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The pointer of part `part` (an index of TABLE_PARTS) of tensor `tensor`."""
+    ptr = tl.load(table_ptr + part * n_tensors + tensor).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def adamw_kernel(
+    table_ptr,  # *int64: the table (module docstring)
+    hyper_ptr,  # *fp64 [5]: lr, beta1, beta2, eps, weight_decay
+    coef_ptr,  # *fp32 0-dim: the gradient's multiplier (1.0, a clip coefficient, AMP's inverse scale)
+    found_inf_ptr,  # *fp32 0-dim: non-zero: no tensor is stepped (the step counts are put back by the caller)
+    n_tensors,  # tensors in the table
+    DTYPE: tl.constexpr,  # element type of every parameter, gradient and state
+    AMSGRAD: tl.constexpr,  # keep the largest exp_avg_sq (state3) and divide by it
+    MAXIMIZE: tl.constexpr,  # step along the gradient
+    ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes (a vectorisation hint; true whenever set)
+    CHUNK: tl.constexpr,  # elements per program, a multiple of BLOCK
+    BLOCK: tl.constexpr,  # elements per loop iteration, a power of two
+):
+    tensor, first, end = _program(table_ptr, n_tensors, found_inf_ptr, CHUNK, BLOCK)
+    MATH: tl.constexpr = tl.float64 if DTYPE == tl.float64 else tl.float32
+    param_ptr = _span(table_ptr, n_tensors, 0, tensor, DTYPE, ALIGNED)
+    grad_ptr = _span(table_ptr, n_tensors, 1, tensor, DTYPE, ALIGNED)
+    exp_avg_ptr = _span(table_ptr, n_tensors, 2, tensor, DTYPE, ALIGNED)
+    exp_avg_sq_ptr = _span(table_ptr, n_tensors, 3, tensor, DTYPE, ALIGNED)
+    max_sq_ptr = _span(table_ptr, n_tensors, 4, tensor, DTYPE, ALIGNED)
+    step = tl.load(tl.load(table_ptr + 5 * n_tensors + tensor).to(tl.pointer_type(tl.float32))).to(tl.float64)
+    lr, beta1, beta2 = tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2)
+    eps, weight_decay = tl.load(hyper_ptr + 3), tl.load(hyper_ptr + 4)
+    # as torch's fused AdamW: the bias corrections in fp64 with pow (1 - beta2**step near 0 magnifies pow's rounding
+    # by 1 / (1 - beta2**step): computed otherwise, it would differ from torch's by far more than an ulp), then every
+    # factor in the math type
+    bias_correction1 = 1.0 - tl.exp(step * tl.log(beta1))
+    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2)))
+    step_size = (lr / bias_correction1).to(MATH)
+    bias_correction2_sqrt = bias_correction2_sqrt.to(MATH)
+    decay = (lr * weight_decay).to(MATH)
+    b1, b2, eps = beta1.to(MATH), beta2.to(MATH), eps.to(MATH)
+    one_minus_b1, one_minus_b2 = (1.0 - beta1).to(MATH), (1.0 - beta2).to(MATH)
+    coef = tl.load(coef_ptr).to(MATH)
+    for i in range(0, tl.cdiv(end - first, BLOCK)):  # a runtime bound: a short tensor's program stops early
+        start = first + i * BLOCK  # i * BLOCK keeps the divisibility hint of `first`
+        offsets = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= end:  # a full block: no mask
+            _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, None, coef, decay,
+                         b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE, MATH,
+                         AMSGRAD, MAXIMIZE)
+        else:
+            _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, offsets < end, coef,
+                         decay, b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE, MATH,
+                         AMSGRAD, MAXIMIZE)
+
+
+@triton.jit
+def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, mask, coef, decay, b1, b2,
+                 one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE: tl.constexpr,
+                 MATH: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr):
+    """AdamW on the elements `offsets` (within `mask`; None: all) of one tensor, the factors in MATH."""
+    grad = _load(grad_ptr, offsets, mask, DTYPE, MATH) * coef
+    if MAXIMIZE:
+        grad = -grad
+    param = _load(param_ptr, offsets, mask, DTYPE, MATH)
+    param = param - decay * param
+    exp_avg = b1 * _load(exp_avg_ptr, offsets, mask, DTYPE, MATH) + one_minus_b1 * grad
+    exp_avg_sq = b2 * _load(exp_avg_sq_ptr, offsets, mask, DTYPE, MATH) + one_minus_b2 * grad * grad
+    if AMSGRAD:
+        max_sq = tl.maximum(_load(max_sq_ptr, offsets, mask, DTYPE, MATH), exp_avg_sq)
+        _store(max_sq_ptr, offsets, max_sq, mask, DTYPE)
+        denom = tl.sqrt(max_sq) / bias_correction2_sqrt + eps
+    else:
+        denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+    _store(exp_avg_ptr, offsets, exp_avg, mask, DTYPE)
+    _store(exp_avg_sq_ptr, offsets, exp_avg_sq, mask, DTYPE)
+    _store(param_ptr, offsets, param - step_size * exp_avg / denom, mask, DTYPE)
+
+
+@triton.jit
+def sgd_kernel(
+    table_ptr,  # *int64: the table (module docstring)
+    hyper_ptr,  # *fp64 [4]: lr, momentum, dampening, weight_decay
+    coef_ptr,  # *fp32 0-dim: the gradient's multiplier (1.0, a clip coefficient, AMP's inverse scale)
+    found_inf_ptr,  # *fp32 0-dim: non-zero: no tensor is stepped
+    n_tensors,  # tensors in the table
+    DTYPE: tl.constexpr,  # element type of every parameter, gradient and momentum buffer
+    MOMENTUM: tl.constexpr,  # momentum != 0: keep the momentum buffer (state1)
+    NESTEROV: tl.constexpr,  # Nesterov momentum
+    MAXIMIZE: tl.constexpr,  # step along the gradient
+    ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes (a vectorisation hint; true whenever set)
+    CHUNK: tl.constexpr,  # elements per program, a multiple of BLOCK
+    BLOCK: tl.constexpr,  # elements per loop iteration, a power of two
+):
+    MATH: tl.constexpr = tl.float64 if DTYPE == tl.float64 else tl.float32
+    tensor, first, end = _program(table_ptr, n_tensors, found_inf_ptr, CHUNK, BLOCK)
+    first_step = tl.load(table_ptr + 7 * n_tensors + tensor)
+    param_ptr = _span(table_ptr, n_tensors, 0, tensor, DTYPE, ALIGNED)
+    grad_ptr = _span(table_ptr, n_tensors, 1, tensor, DTYPE, ALIGNED)
+    buf_ptr = _span(table_ptr, n_tensors, 2, tensor, DTYPE, ALIGNED)
+    coef = tl.load(coef_ptr).to(MATH)
+    lr, momentum = tl.load(hyper_ptr).to(MATH), tl.load(hyper_ptr + 1).to(MATH)
+    one_minus_dampening = (1.0 - tl.load(hyper_ptr + 2)).to(MATH)
+    weight_decay = tl.load(hyper_ptr + 3).to(MATH)
+    for i in range(0, tl.cdiv(end - first, BLOCK)):  # a runtime bound: a short tensor's program stops early
+        start = first + i * BLOCK  # i * BLOCK keeps the divisibility hint of `first`
+        offsets = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= end:  # a full block: no mask
+            _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, None, coef, lr, momentum, one_minus_dampening,
+                       weight_decay, first_step, DTYPE, MATH, MOMENTUM, NESTEROV, MAXIMIZE)
+        else:
+            _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, offsets < end, coef, lr, momentum, one_minus_dampening,
+                       weight_decay, first_step, DTYPE, MATH, MOMENTUM, NESTEROV, MAXIMIZE)
+
+
+@triton.jit
+def _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, mask, coef, lr, momentum, one_minus_dampening, weight_decay,
+               first_step, DTYPE: tl.constexpr, MATH: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+               MAXIMIZE: tl.constexpr):
+    """SGD on the elements `offsets` (within `mask`; None: all) of one tensor, the factors in MATH."""
+    grad = _load(grad_ptr, offsets, mask, DTYPE, MATH) * coef
+    if MAXIMIZE:
+        grad = -grad
+    param = _load(param_ptr, offsets, mask, DTYPE, MATH)
+    grad = grad + weight_decay * param
+    if MOMENTUM:
+        if first_step != 0:
+            buf = grad
+        else:
+            buf = momentum * _load(buf_ptr, offsets, mask, DTYPE, MATH) + one_minus_dampening * grad
+        _store(buf_ptr, offsets, buf, mask, DTYPE)
+        if NESTEROV:
+            grad = grad + momentum * buf
+        else:
+            grad = buf
+    _store(param_ptr, offsets, param - lr * grad, mask, DTYPE)
+
+
+@dataclass
+class OptimTable:
+    """The table of one launch (see the module docstring) and how it was built: `key` (the addresses, numels and
+    first-step flags it holds: build a new one when they change), its programs, BLOCK and CHUNK, and whether every
+    address is 16-byte aligned."""
+
+    table: torch.Tensor
+    key: tuple
+    n_tensors: int
+    n_programs: int
+    block: int
+    chunk: int
+    aligned: bool
+    host: torch.Tensor | None = None  # the pinned copy a CUDA table came from (kept alive)
+
+
+def table_key(parts: dict[str, list[int]]) -> tuple:
+    """What a table of `parts` (TABLE_PARTS -> one int per tensor) is kept by."""
+    return tuple(tuple(parts[name]) for name in TABLE_PARTS)
+
+
+#: Elements per loop iteration on a GPU at most, by element size: a step holds five tensors' values per element (at
+#: 4096 and 8 warps, amsgrad's fp32 step took 164 registers on sm_90; at 1024 and 4 warps 8 elements per thread)
+GPU_BLOCK = {2: 1024, 4: 1024, 8: 512}
+
+
+def build_table(parts: dict[str, list[int]], device: torch.device, element_size: int) -> OptimTable:
+    """The table of tensors given by `parts` (TABLE_PARTS -> one int per tensor: addresses, 0 for a state the
+    launch does not read; numels, all > 0; first-step flags) of `element_size`-byte elements on `device`."""
+    numels = parts["numel"]
+    block, chunk = launch_config(numels, device.type)
+    if device.type == "cuda":
+        block = min(block, GPU_BLOCK[element_size])
+    programs = [v for t, n in enumerate(numels) for first in range(0, n, chunk) for v in (t, first)]
+    host = torch.tensor([v for name in TABLE_PARTS for v in parts[name]] + programs, dtype=torch.int64)
+    table, kept = host.to(device), None
+    if device.type == "cuda":
+        kept = host.pin_memory()
+        table = kept.to(device, non_blocking=True)
+    addresses = [a for name in TABLE_PARTS[:5] for a in parts[name] if a]
+    return OptimTable(table, table_key(parts), len(numels), len(programs) // 2, block, chunk,
+                      all(a % 16 == 0 for a in addresses), kept)
+
+
+def _options(table: OptimTable) -> dict:
+    options = {"enable_fp_fusion": False}  # torch's fused kernels round each operation
+    if table.table.device.type == "cuda":
+        options["num_warps"] = 8 if table.block >= 2048 else 4
+    return options
+
+
+def adamw_(table: OptimTable, hyper: torch.Tensor, coef: torch.Tensor, found_inf: torch.Tensor, dtype: torch.dtype,
+           amsgrad: bool, maximize: bool, launch) -> None:
+    """One AdamW step of the tensors of `table` (dtype `dtype`), their step counts already incremented; hyper: fp64
+    [5] (lr, beta1, beta2, eps, weight_decay); coef, found_inf: float32 0-dim; launch(kernel, grid, args, meta)."""
+    meta = dict(DTYPE=TL_DTYPES[dtype], AMSGRAD=amsgrad, MAXIMIZE=maximize, ALIGNED=table.aligned, CHUNK=table.chunk,
+                BLOCK=table.block, **_options(table))
+    launch(adamw_kernel, (table.n_programs,), (table.table, hyper, coef, found_inf, table.n_tensors), meta)
+
+
+def sgd_(table: OptimTable, hyper: torch.Tensor, coef: torch.Tensor, found_inf: torch.Tensor, dtype: torch.dtype,
+         momentum: bool, nesterov: bool, maximize: bool, launch) -> None:
+    """One SGD step of the tensors of `table` (dtype `dtype`); hyper: fp64 [4] (lr, momentum, dampening,
+    weight_decay); coef, found_inf: float32 0-dim; launch(kernel, grid, args, meta)."""
+    meta = dict(DTYPE=TL_DTYPES[dtype], MOMENTUM=momentum, NESTEROV=nesterov, MAXIMIZE=maximize,
+                ALIGNED=table.aligned, CHUNK=table.chunk, BLOCK=table.block, **_options(table))
+    launch(sgd_kernel, (table.n_programs,), (table.table, hyper, coef, found_inf, table.n_tensors), meta)
