@@ -20,7 +20,7 @@ import pytest
 
 from helpers import ROOT
 
-KERNEL_MODULES = ("elementwise", "multi_tensor", "stats", "units")
+KERNEL_MODULES = ("elementwise", "multi_tensor", "optim", "stats", "units")
 
 
 def test_the_repository_root_holds_no_package_but_fusedhooks():
