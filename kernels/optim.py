@@ -11,8 +11,9 @@ program, as `multi_tensor`'s table. The tensors are contiguous (each one span of
 
 What changes between steps is read on the device, so a learning-rate schedule compiles nothing new: the
 hyper-parameters (`hyper_ptr`, fp64: AdamW lr, beta1, beta2, eps, weight_decay; SGD lr, momentum, dampening,
-weight_decay), the step counts, and the gradient's multiplier and found_inf (`coef_ptr`, `found_inf_ptr`, float32
-0-dim: a clip coefficient or AMP's inverse scale; a non-zero found_inf skips the step, as torch's fused kernels do).
+weight_decay), the step counts, and torch's `grad_scale` and `found_inf` of its fused optimizers (float32 0-dim:
+each gradient is divided by grad_scale, a folded clip coefficient's reciprocal times AMP's scale, as torch's fused
+kernels divide it, without writing the quotient back; a non-zero found_inf skips the step).
 """
 
 from __future__ import annotations
@@ -59,6 +60,44 @@ def _store(ptr, offsets, x, mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _div(x, y, MATH: tl.constexpr):
+    """x / y correctly rounded, as torch's CUDA kernels divide (fp32 `/` is approximate on a GPU)."""
+    if MATH == tl.float32:
+        return tl.math.div_rn(x, y)
+    else:
+        return x / y
+
+
+@triton.jit
+def _sqrt(x, MATH: tl.constexpr):
+    """sqrt(x) correctly rounded (fp32 `tl.sqrt` is approximate on a GPU)."""
+    if MATH == tl.float32:
+        return tl.math.sqrt_rn(x)
+    else:
+        return tl.sqrt(x)
+
+
+@triton.jit
+def _grad_scale(grad_scale_ptr, GRAD_SCALE: tl.constexpr, MATH: tl.constexpr):
+    """The divisor of the gradients (MATH 0-dim; 1.0 when not GRAD_SCALE: then not read)."""
+    if GRAD_SCALE:
+        return tl.load(grad_scale_ptr).to(MATH)
+    else:
+        return tl.full((), 1.0, MATH)
+
+
+@triton.jit
+def _load_grad(grad_ptr, offsets, mask, grad_scale, DTYPE: tl.constexpr, MATH: tl.constexpr,
+               GRAD_SCALE: tl.constexpr):
+    """The gradient's elements in MATH, divided by grad_scale when GRAD_SCALE (torch's fused kernels divide in
+    fp64 and round to fp32: the correctly rounded fp32 quotient)."""
+    grad = _load(grad_ptr, offsets, mask, DTYPE, MATH)
+    if GRAD_SCALE:
+        grad = _div(grad, grad_scale, MATH)
+    return grad
+
+
+@triton.jit
 def _program(table_ptr, n_tensors, found_inf_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """(tensor, first element, end) of this program's chunk of its tensor, from the table; an empty chunk (end ==
     first) when found_inf is non-zero: no element is stepped."""
@@ -82,18 +121,20 @@ def _span(table_ptr, n_tensors, part, tensor, DTYPE: tl.constexpr, ALIGNED: tl.c
 def adamw_kernel(
     table_ptr,  # *int64: the table (module docstring)
     hyper_ptr,  # *fp64 [5]: lr, beta1, beta2, eps, weight_decay
-    coef_ptr,  # *fp32 0-dim: the gradient's multiplier (1.0, a clip coefficient, AMP's inverse scale)
+    grad_scale_ptr,  # *fp32 0-dim: every gradient is divided by it (read when GRAD_SCALE)
     found_inf_ptr,  # *fp32 0-dim: non-zero: no tensor is stepped (the step counts are put back by the caller)
     n_tensors,  # tensors in the table
     DTYPE: tl.constexpr,  # element type of every parameter, gradient and state
     AMSGRAD: tl.constexpr,  # keep the largest exp_avg_sq (state3) and divide by it
     MAXIMIZE: tl.constexpr,  # step along the gradient
+    GRAD_SCALE: tl.constexpr,  # divide each gradient by *grad_scale_ptr
     ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes (a vectorisation hint; true whenever set)
     CHUNK: tl.constexpr,  # elements per program, a multiple of BLOCK
     BLOCK: tl.constexpr,  # elements per loop iteration, a power of two
 ):
     tensor, first, end = _program(table_ptr, n_tensors, found_inf_ptr, CHUNK, BLOCK)
     MATH: tl.constexpr = tl.float64 if DTYPE == tl.float64 else tl.float32
+    grad_scale = _grad_scale(grad_scale_ptr, GRAD_SCALE, MATH)
     param_ptr = _span(table_ptr, n_tensors, 0, tensor, DTYPE, ALIGNED)
     grad_ptr = _span(table_ptr, n_tensors, 1, tensor, DTYPE, ALIGNED)
     exp_avg_ptr = _span(table_ptr, n_tensors, 2, tensor, DTYPE, ALIGNED)
@@ -112,26 +153,25 @@ def adamw_kernel(
     decay = (lr * weight_decay).to(MATH)
     b1, b2, eps = beta1.to(MATH), beta2.to(MATH), eps.to(MATH)
     one_minus_b1, one_minus_b2 = (1.0 - beta1).to(MATH), (1.0 - beta2).to(MATH)
-    coef = tl.load(coef_ptr).to(MATH)
     for i in range(0, tl.cdiv(end - first, BLOCK)):  # a runtime bound: a short tensor's program stops early
         start = first + i * BLOCK  # i * BLOCK keeps the divisibility hint of `first`
         offsets = start + tl.arange(0, BLOCK)
         if start + BLOCK <= end:  # a full block: no mask
-            _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, None, coef, decay,
-                         b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE, MATH,
-                         AMSGRAD, MAXIMIZE)
-        else:
-            _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, offsets < end, coef,
+            _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, None, grad_scale,
                          decay, b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE, MATH,
-                         AMSGRAD, MAXIMIZE)
+                         AMSGRAD, MAXIMIZE, GRAD_SCALE)
+        else:
+            _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, offsets < end,
+                         grad_scale, decay, b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt,
+                         DTYPE, MATH, AMSGRAD, MAXIMIZE, GRAD_SCALE)
 
 
 @triton.jit
-def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, mask, coef, decay, b1, b2,
-                 one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE: tl.constexpr,
-                 MATH: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr):
+def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, mask, grad_scale, decay,
+                 b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE: tl.constexpr,
+                 MATH: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_SCALE: tl.constexpr):
     """AdamW on the elements `offsets` (within `mask`; None: all) of one tensor, the factors in MATH."""
-    grad = _load(grad_ptr, offsets, mask, DTYPE, MATH) * coef
+    grad = _load_grad(grad_ptr, offsets, mask, grad_scale, DTYPE, MATH, GRAD_SCALE)
     if MAXIMIZE:
         grad = -grad
     param = _load(param_ptr, offsets, mask, DTYPE, MATH)
@@ -141,25 +181,26 @@ def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, o
     if AMSGRAD:
         max_sq = tl.maximum(_load(max_sq_ptr, offsets, mask, DTYPE, MATH), exp_avg_sq)
         _store(max_sq_ptr, offsets, max_sq, mask, DTYPE)
-        denom = tl.sqrt(max_sq) / bias_correction2_sqrt + eps
+        denom = _div(_sqrt(max_sq, MATH), bias_correction2_sqrt, MATH) + eps
     else:
-        denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+        denom = _div(_sqrt(exp_avg_sq, MATH), bias_correction2_sqrt, MATH) + eps
     _store(exp_avg_ptr, offsets, exp_avg, mask, DTYPE)
     _store(exp_avg_sq_ptr, offsets, exp_avg_sq, mask, DTYPE)
-    _store(param_ptr, offsets, param - step_size * exp_avg / denom, mask, DTYPE)
+    _store(param_ptr, offsets, param - _div(step_size * exp_avg, denom, MATH), mask, DTYPE)
 
 
 @triton.jit
 def sgd_kernel(
     table_ptr,  # *int64: the table (module docstring)
     hyper_ptr,  # *fp64 [4]: lr, momentum, dampening, weight_decay
-    coef_ptr,  # *fp32 0-dim: the gradient's multiplier (1.0, a clip coefficient, AMP's inverse scale)
+    grad_scale_ptr,  # *fp32 0-dim: every gradient is divided by it (read when GRAD_SCALE)
     found_inf_ptr,  # *fp32 0-dim: non-zero: no tensor is stepped
     n_tensors,  # tensors in the table
     DTYPE: tl.constexpr,  # element type of every parameter, gradient and momentum buffer
     MOMENTUM: tl.constexpr,  # momentum != 0: keep the momentum buffer (state1)
     NESTEROV: tl.constexpr,  # Nesterov momentum
     MAXIMIZE: tl.constexpr,  # step along the gradient
+    GRAD_SCALE: tl.constexpr,  # divide each gradient by *grad_scale_ptr
     ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes (a vectorisation hint; true whenever set)
     CHUNK: tl.constexpr,  # elements per program, a multiple of BLOCK
     BLOCK: tl.constexpr,  # elements per loop iteration, a power of two
@@ -170,7 +211,7 @@ def sgd_kernel(
     param_ptr = _span(table_ptr, n_tensors, 0, tensor, DTYPE, ALIGNED)
     grad_ptr = _span(table_ptr, n_tensors, 1, tensor, DTYPE, ALIGNED)
     buf_ptr = _span(table_ptr, n_tensors, 2, tensor, DTYPE, ALIGNED)
-    coef = tl.load(coef_ptr).to(MATH)
+    grad_scale = _grad_scale(grad_scale_ptr, GRAD_SCALE, MATH)
     lr, momentum = tl.load(hyper_ptr).to(MATH), tl.load(hyper_ptr + 1).to(MATH)
     one_minus_dampening = (1.0 - tl.load(hyper_ptr + 2)).to(MATH)
     weight_decay = tl.load(hyper_ptr + 3).to(MATH)
@@ -178,19 +219,20 @@ def sgd_kernel(
         start = first + i * BLOCK  # i * BLOCK keeps the divisibility hint of `first`
         offsets = start + tl.arange(0, BLOCK)
         if start + BLOCK <= end:  # a full block: no mask
-            _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, None, coef, lr, momentum, one_minus_dampening,
-                       weight_decay, first_step, DTYPE, MATH, MOMENTUM, NESTEROV, MAXIMIZE)
+            _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, None, grad_scale, lr, momentum, one_minus_dampening,
+                       weight_decay, first_step, DTYPE, MATH, MOMENTUM, NESTEROV, MAXIMIZE, GRAD_SCALE)
         else:
-            _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, offsets < end, coef, lr, momentum, one_minus_dampening,
-                       weight_decay, first_step, DTYPE, MATH, MOMENTUM, NESTEROV, MAXIMIZE)
+            _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, offsets < end, grad_scale, lr, momentum,
+                       one_minus_dampening, weight_decay, first_step, DTYPE, MATH, MOMENTUM, NESTEROV, MAXIMIZE,
+                       GRAD_SCALE)
 
 
 @triton.jit
-def _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, mask, coef, lr, momentum, one_minus_dampening, weight_decay,
-               first_step, DTYPE: tl.constexpr, MATH: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-               MAXIMIZE: tl.constexpr):
+def _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, mask, grad_scale, lr, momentum, one_minus_dampening,
+               weight_decay, first_step, DTYPE: tl.constexpr, MATH: tl.constexpr, MOMENTUM: tl.constexpr,
+               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_SCALE: tl.constexpr):
     """SGD on the elements `offsets` (within `mask`; None: all) of one tensor, the factors in MATH."""
-    grad = _load(grad_ptr, offsets, mask, DTYPE, MATH) * coef
+    grad = _load_grad(grad_ptr, offsets, mask, grad_scale, DTYPE, MATH, GRAD_SCALE)
     if MAXIMIZE:
         grad = -grad
     param = _load(param_ptr, offsets, mask, DTYPE, MATH)
@@ -259,19 +301,24 @@ def _options(table: OptimTable) -> dict:
     return options
 
 
-def adamw_(table: OptimTable, hyper: torch.Tensor, coef: torch.Tensor, found_inf: torch.Tensor, dtype: torch.dtype,
-           amsgrad: bool, maximize: bool, launch) -> None:
+def adamw_(table: OptimTable, hyper: torch.Tensor, grad_scale: torch.Tensor | None, found_inf: torch.Tensor,
+           dtype: torch.dtype, amsgrad: bool, maximize: bool, launch) -> None:
     """One AdamW step of the tensors of `table` (dtype `dtype`), their step counts already incremented; hyper: fp64
-    [5] (lr, beta1, beta2, eps, weight_decay); coef, found_inf: float32 0-dim; launch(kernel, grid, args, meta)."""
-    meta = dict(DTYPE=TL_DTYPES[dtype], AMSGRAD=amsgrad, MAXIMIZE=maximize, ALIGNED=table.aligned, CHUNK=table.chunk,
-                BLOCK=table.block, **_options(table))
-    launch(adamw_kernel, (table.n_programs,), (table.table, hyper, coef, found_inf, table.n_tensors), meta)
-
-
-def sgd_(table: OptimTable, hyper: torch.Tensor, coef: torch.Tensor, found_inf: torch.Tensor, dtype: torch.dtype,
-         momentum: bool, nesterov: bool, maximize: bool, launch) -> None:
-    """One SGD step of the tensors of `table` (dtype `dtype`); hyper: fp64 [4] (lr, momentum, dampening,
-    weight_decay); coef, found_inf: float32 0-dim; launch(kernel, grid, args, meta)."""
-    meta = dict(DTYPE=TL_DTYPES[dtype], MOMENTUM=momentum, NESTEROV=nesterov, MAXIMIZE=maximize,
+    [5] (lr, beta1, beta2, eps, weight_decay); grad_scale (None: 1), found_inf: float32 0-dim on the table's device;
+    launch(kernel, grid, args, meta)."""
+    meta = dict(DTYPE=TL_DTYPES[dtype], AMSGRAD=amsgrad, MAXIMIZE=maximize, GRAD_SCALE=grad_scale is not None,
                 ALIGNED=table.aligned, CHUNK=table.chunk, BLOCK=table.block, **_options(table))
-    launch(sgd_kernel, (table.n_programs,), (table.table, hyper, coef, found_inf, table.n_tensors), meta)
+    args = (table.table, hyper, found_inf if grad_scale is None else grad_scale, found_inf, table.n_tensors)
+    launch(adamw_kernel, (table.n_programs,), args, meta)
+
+
+def sgd_(table: OptimTable, hyper: torch.Tensor, grad_scale: torch.Tensor | None, found_inf: torch.Tensor,
+         dtype: torch.dtype, momentum: bool, nesterov: bool, maximize: bool, launch) -> None:
+    """One SGD step of the tensors of `table` (dtype `dtype`); hyper: fp64 [4] (lr, momentum, dampening,
+    weight_decay); grad_scale (None: 1), found_inf: float32 0-dim on the table's device; launch(kernel, grid, args,
+    meta)."""
+    meta = dict(DTYPE=TL_DTYPES[dtype], MOMENTUM=momentum, NESTEROV=nesterov, MAXIMIZE=maximize,
+                GRAD_SCALE=grad_scale is not None, ALIGNED=table.aligned, CHUNK=table.chunk, BLOCK=table.block,
+                **_options(table))
+    args = (table.table, hyper, found_inf if grad_scale is None else grad_scale, found_inf, table.n_tensors)
+    launch(sgd_kernel, (table.n_programs,), args, meta)

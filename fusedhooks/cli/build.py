@@ -161,15 +161,17 @@ def kernels(dtypes=("fp32", "bf16", "fp16", "fp64"), only: str | None = None, fu
 
 
 def _optimizer_kernels(dtypes, block: int, chunk: int):
-    """The optimizer steps of fh.AdamW (with and without amsgrad) and fh.SGD (Nesterov momentum), as `kernels`."""
+    """The optimizer steps of fh.AdamW (with and without amsgrad) and fh.SGD (Nesterov momentum), each dividing by a
+    grad_scale (a folded clip, GradScaler), as `kernels`."""
     from ..kernels import optim
     from ..kernels.multi_tensor import TL_DTYPES
 
-    pointers = {"table_ptr": "*i64", "hyper_ptr": "*fp64", "coef_ptr": "*fp32", "found_inf_ptr": "*fp32",
+    pointers = {"table_ptr": "*i64", "hyper_ptr": "*fp64", "grad_scale_ptr": "*fp32", "found_inf_ptr": "*fp32",
                 "n_tensors": "i32"}
     for dname in dtypes:
         dt = TL_DTYPES[DTYPES[dname]]
-        common = {"ALIGNED": True, "CHUNK": chunk, "BLOCK": min(block, optim.GPU_BLOCK[DTYPES[dname].itemsize])}
+        common = {"GRAD_SCALE": True, "ALIGNED": True, "CHUNK": chunk,
+                  "BLOCK": min(block, optim.GPU_BLOCK[DTYPES[dname].itemsize])}
         for amsgrad in (False, True):
             constexprs = {"DTYPE": dt, "AMSGRAD": amsgrad, "MAXIMIZE": False, **common}
             yield ("optimizer-step" + ("+amsgrad" if amsgrad else ""), dname, "adamw_kernel", optim.adamw_kernel,

@@ -114,13 +114,13 @@ def clip_grad_norm_(hook: GradHook, max_norm: float, norm_type: float = 2.0, err
     max_norm, which keep the operator.
 
     optimizer: the optimizer that steps these gradients next. Which path runs is decided by its type alone: one of
-    torch's Adam, AdamW, SGD or Adagrad with fused=True (`fold.folds_into`) gets the coefficient folded into its
-    `grad_scale` (`grad_scale = grad_scale so far (or 1) / coef`, float32, on the device): no pass over the
-    gradients, which stay as they are until that step divides them (and writes them back divided, as torch's
-    fused step does; their versions are bumped after it). The fold is consumed by exactly that one step, or
-    dropped if the step raises; the optimizer must step exactly the parameters the hook clips (else ValueError),
-    clip once per step (RuntimeError for a second fold on the same gradients), and gradients changed between the
-    clip and the step make that step raise RuntimeError. Not under torch.compile (RuntimeError). Any other
+    torch's Adam, AdamW, SGD or Adagrad with fused=True, fh.AdamW or fh.SGD (`fold.folds_into`) gets the coefficient
+    folded into its `grad_scale` (`grad_scale = grad_scale so far (or 1) / coef`, float32, on the device): no pass over
+    the gradients, which stay as they are until that step divides them (torch's fused step writes them back divided and
+    their versions are bumped after it; fh's steps leave `.grad` unclipped). The fold is consumed by exactly that one
+    step, or dropped if the step raises; the optimizer must step exactly the parameters the hook clips (else
+    ValueError), clip once per step (RuntimeError for a second fold on the same gradients), and gradients changed
+    between the clip and the step make that step raise RuntimeError. Not under torch.compile (RuntimeError). Any other
     optimizer, or None: the gradients are scaled in place as described above.
     """
     fold_into = fold.target(optimizer, "clip_grad_norm_(optimizer=...)")

@@ -1,8 +1,9 @@
 """A global clip coefficient folded into a fused optimizer's `grad_scale`, consumed by its next step.
 
 torch's fused Adam, AdamW, SGD and Adagrad (`fused=True`) divide every gradient by `optimizer.grad_scale` (a
-float32 device tensor) inside their step kernel, and write the divided gradient back into `.grad`. Setting
-`grad_scale = previous / coef` therefore clips without a pass over the gradients. GradScaler.step keeps a
+float32 device tensor) inside their step kernel, and write the divided gradient back into `.grad`; fh.AdamW and
+fh.SGD divide it the same way and write nothing back. Setting `grad_scale = previous / coef` therefore clips
+without a pass over the gradients. GradScaler.step keeps a
 `grad_scale` it finds when the optimizer is already unscaled, multiplies its own scale in otherwise, and deletes
 the attribute (and `found_inf`) after the step: the fold composes with it either way.
 
@@ -22,15 +23,22 @@ import torch
 
 from ..firing import amp
 
-#: torch's optimizers whose fused step honours `grad_scale` and `found_inf`
+#: torch's optimizers whose fused step honours `grad_scale` and `found_inf` (fh.AdamW and fh.SGD subclass two)
 FUSED_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
 _MISSING = object()  # `optimizer.grad_scale` was not set
 
 
 def folds_into(optimizer) -> bool:
-    """Does `fh.clip_grad_norm_(..., optimizer=optimizer)` fold the coefficient into `optimizer.grad_scale`?"""
-    return isinstance(optimizer, FUSED_TYPES) and bool(optimizer.defaults.get("fused"))
+    """Does `fh.clip_grad_norm_(..., optimizer=optimizer)` fold the coefficient into `optimizer.grad_scale`? For one
+    of FUSED_TYPES whose step reads it (`_step_supports_amp_scaling`, GradScaler's flag: torch's with fused=True,
+    fh.AdamW and fh.SGD)."""
+    return isinstance(optimizer, FUSED_TYPES) and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _writes_back(optimizer: torch.optim.Optimizer) -> bool:
+    """Does the optimizer's step write the divided gradients back into `.grad` (torch's fused steps do)?"""
+    return bool(optimizer.defaults.get("fused"))
 
 
 def target(optimizer, option: str) -> torch.optim.Optimizer | None:
@@ -75,8 +83,8 @@ def check(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: l
             f"parameters, or pass optimizer=None to scale the gradients in place")
     if any(g.dtype == torch.float64 for g in grads):
         raise ValueError("clip_grad_norm_(optimizer=...) folds the clip coefficient into the optimizer's grad_scale, "
-                         "which torch's fused step reads as float32: with float64 gradients pass optimizer=None to "
-                         "scale them in place (in float64, as torch does)")
+                         "which its step reads as float32: with float64 gradients pass optimizer=None to scale them "
+                         "in place (in float64, as torch does)")
 
 
 def fold(optimizer: torch.optim.Optimizer, coef: torch.Tensor, params: list[torch.Tensor],
@@ -139,5 +147,6 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     pending = _folds.get(optimizer)
     if pending is None:  # a pending fold the pre-hook did not mark was made in this step's closure: read too
         return
-    amp.bump_versions(optimizer)  # the fused step divided the gradients in place without bumping their versions
+    if _writes_back(optimizer):
+        amp.bump_versions(optimizer)  # the fused step divided the gradients in place without bumping their versions
     _undo(optimizer, pending)

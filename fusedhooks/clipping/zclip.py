@@ -41,8 +41,9 @@ class ZClip:
     would make them NaN, after which it never clips again).
 
     on_spike="skip": a spike is not clipped; instead the optimizer's next step is skipped, through `found_inf` of
-    torch's fused optimizers (Adam, AdamW, SGD, Adagrad with fused=True), which leave parameters and their state as
-    they were where found_inf != 0. Skipping with any other optimizer would need a host sync: refused.
+    torch's fused optimizers (Adam, AdamW, SGD, Adagrad with fused=True) or fh.AdamW / fh.SGD, which leave
+    parameters and their state as they were where found_inf != 0. Skipping with any other optimizer would need a
+    host sync: refused.
 
     The state (a device count, the warm-up norms, mean, var) is float64 tensors on the statistics' device, updated by
     torch ops: `step` makes no host sync. `spike`: a 0-dim bool tensor, was the last step a spike.
@@ -89,10 +90,10 @@ class ZClip:
         """Apply the rule to the gradients as they are now (after backward, before `optimizer.step()`); returns the
         total norm before clipping (0-dim, on the statistics' device, in the gradients' promoted dtype).
 
-        optimizer: the optimizer that steps next. One of torch's fused optimizers (fused=True) gets the coefficient
-        folded into its `grad_scale` (no pass over the gradients; fh.clip_grad_norm_(..., optimizer=opt) describes
-        the conditions) and, with on_spike="skip", its `found_inf` set for that one step. Any other, or None: the
-        gradients are scaled in place by one multi-tensor pass. No gradient at all: a float32 zero, state unchanged.
+        optimizer: the optimizer that steps next. One of torch's fused optimizers (fused=True), fh.AdamW or fh.SGD gets
+        the coefficient folded into its `grad_scale` (no pass over the gradients; fh.clip_grad_norm_(..., optimizer=opt)
+        describes the conditions) and, with on_spike="skip", its `found_inf` set for that one step. Any other, or None:
+        the gradients are scaled in place by one multi-tensor pass. No gradient at all: a float32 zero, state unchanged.
         """
         if is_compiling():
             raise RuntimeError("fh.zclip's guard.step() is not supported under torch.compile: call it outside the "
@@ -104,7 +105,8 @@ class ZClip:
                 f"zclip(on_spike='skip') skips a spike's optimizer step on the device through the found_inf of torch's "
                 f"fused optimizers; with {given} "
                 f"skipping would need a host sync. Pass an optimizer built with fused=True (e.g. "
-                f"torch.optim.AdamW(params, fused=True)) to guard.step(optimizer=opt), or use on_spike='clip'")
+                f"torch.optim.AdamW(params, fused=True)) or fh.AdamW / fh.SGD to guard.step(optimizer=opt), or use "
+                f"on_spike='clip'")
         stepped = False
 
         def coefficient(total_norm: torch.Tensor) -> torch.Tensor:

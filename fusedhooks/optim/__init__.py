@@ -9,8 +9,16 @@ fp32 for 16-bit and fp32 tensors, rounded once per stored value). The learning r
 the step counts are read on the device at each launch: a schedule compiles nothing new. A step keeps `step` of
 each parameter as a float32 tensor on the parameter's device, as torch's fused optimizers do.
 
+Like torch's fused optimizers they read `grad_scale` and `found_inf` (float32 0-dim tensors) when set as attributes
+(`_step_supports_amp_scaling`): `scaler.step(opt)` sets them (AMP's scale and whether a gradient overflowed), and
+`fh.clip_grad_norm_(hook, max_norm, optimizer=opt)` and `fh.zclip(...).step(optimizer=opt)` fold their coefficient
+into `grad_scale` (fusedhooks.clipping.fold). Each gradient is divided by `grad_scale` as torch's fused kernels
+divide it, but the quotient is not written back: `.grad` keeps the gradient as the backward left it. A non-zero
+`found_inf` leaves parameters and states as they were and takes the step count back, on the device.
+
 Parameters the kernels do not take (not contiguous, or on a device with neither CUDA nor the Triton interpreter:
-CPU without TRITON_INTERPRET=1) are stepped by torch's own single-tensor implementation, with the same state.
+CPU without TRITON_INTERPRET=1) are stepped by torch's own single-tensor implementation, with the same state; with
+`grad_scale` or `found_inf` set, their step reads found_inf on the host (one sync) and divides out of place.
 """
 
 from __future__ import annotations
@@ -45,9 +53,44 @@ def _hyper(values: list, device: torch.device) -> torch.Tensor:
                         else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values])
 
 
+class _Scaling:
+    """`grad_scale` and `found_inf` of one step (None where not set), and their copies on each device."""
+
+    def __init__(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None):
+        self.grad_scale, self.found_inf = grad_scale, found_inf
+        self._copies: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._skipped: bool | None = None
+
+    def on(self, name: str, device: torch.device) -> torch.Tensor | None:
+        """`grad_scale` or `found_inf` (`name`) as float32 on `device` (copied without a host sync)."""
+        value = getattr(self, name)
+        if value is None:
+            return None
+        copy = self._copies.get((name, device))
+        if copy is None:
+            copy = self._copies[(name, device)] = value.to(device=device, dtype=torch.float32, non_blocking=True)
+        return copy
+
+    def skipped_on_host(self) -> bool:
+        """Is the step skipped (found_inf non-zero)? A host sync where found_inf is set: for the steps that cannot
+        skip on the device."""
+        if self._skipped is None:
+            self._skipped = self.found_inf is not None and bool(self.found_inf.item())
+        return self._skipped
+
+    def divided(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`grads` divided by grad_scale (out of place: .grad is left as it is), or `grads` when it is not set."""
+        if self.grad_scale is None:
+            return grads
+        return [g / self.on("grad_scale", g.device) for g in grads]
+
+
 class _KernelSteps:
-    """What both optimizers keep for their launches: the tables by (group, device, dtype), and the gradient's
-    multiplier (1.0) and found_inf (0.0) of each device."""
+    """What both optimizers keep for their launches: the tables by (group, device, dtype), and a found_inf of 0.0
+    on each device."""
+
+    #: GradScaler.step sets `grad_scale` and `found_inf` on the optimizer and lets its step read them (module docstring)
+    _step_supports_amp_scaling = True
 
     def _kernel_books(self) -> tuple[dict, dict]:
         books = self.__dict__.get("_fh_books")
@@ -66,12 +109,15 @@ class _KernelSteps:
             table = tables[key] = kernels.build_table(parts, device, key[2].itemsize)
         return table
 
-    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        _, constants = self._kernel_books()
-        pair = constants.get(device)
-        if pair is None:
-            pair = constants[device] = (torch.ones((), device=device), torch.zeros((), device=device))
-        return pair
+    def _found_inf(self, scaling: _Scaling, device: torch.device) -> torch.Tensor:
+        """The found_inf the kernels read on `device`: the step's, or a kept 0.0."""
+        found_inf = scaling.on("found_inf", device)
+        if found_inf is None:
+            _, zeros = self._kernel_books()
+            found_inf = zeros.get(device)
+            if found_inf is None:
+                found_inf = zeros[device] = torch.zeros((), device=device)
+        return found_inf
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -81,8 +127,9 @@ class _KernelSteps:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scaling = _Scaling(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))  # read after closure
         for index, group in enumerate(self.param_groups):
-            self._step_group(index, group)
+            self._step_group(index, group, scaling)
         return loss
 
     def __getstate__(self):
@@ -108,7 +155,7 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize)
 
-    def _step_group(self, index: int, group: dict) -> None:
+    def _step_group(self, index: int, group: dict, scaling: _Scaling) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         amsgrad, (beta1, beta2) = group["amsgrad"], group["betas"]
         for p in params:
@@ -145,12 +192,15 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
                      "numel": [p.numel() for p in live], "first_step": [0] * len(live)}
             table = self._table((index, device, dtype), parts, device)
             hyper = _hyper([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]], device)
-            one, zero = self._constants(device)
-            adamw_(table, hyper, one, zero, dtype, amsgrad, group["maximize"], launcher.launch)
-        if torch_steps:
+            found_inf = self._found_inf(scaling, device)
+            adamw_(table, hyper, scaling.on("grad_scale", device), found_inf, dtype, amsgrad, group["maximize"],
+                   launcher.launch)
+            if scaling.found_inf is not None:  # as torch's fused step: a skipped step does not count
+                torch._foreach_sub_(steps, [found_inf] * len(steps))
+        if torch_steps and not scaling.skipped_on_host():
             states = [self.state[p] for p in torch_steps]
             torch_adam(
-                torch_steps, [p.grad for p in torch_steps], [s["exp_avg"] for s in states],
+                torch_steps, scaling.divided([p.grad for p in torch_steps]), [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states], [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
                 [s["step"] for s in states], foreach=False, capturable=False, differentiable=False, fused=False,
                 has_complex=any(torch.is_complex(p) for p in torch_steps), decoupled_weight_decay=True,
@@ -167,7 +217,7 @@ class SGD(_KernelSteps, torch.optim.SGD):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, maximize=maximize)
 
-    def _step_group(self, index: int, group: dict) -> None:
+    def _step_group(self, index: int, group: dict, scaling: _Scaling) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         momentum = group["momentum"]
         kernel, torch_steps = [], []
@@ -178,6 +228,11 @@ class SGD(_KernelSteps, torch.optim.SGD):
             (kernel if _takes(p, [] if buf is None else [buf]) else torch_steps).append(p)
         if kernel:
             from ..kernels.optim import sgd_
+        starts = momentum != 0 and any(self.state[p].get("momentum_buffer") is None for p in kernel)
+        if starts and scaling.skipped_on_host():
+            # a momentum buffer starts as the first stepped gradient: whether this step is skipped decides whether it
+            # starts now (one host sync, at the first step only)
+            return
         for (device, dtype), members in _by_device_dtype(kernel).items():
             ps = [kernel[i] for i in members]
             first = [int(momentum != 0 and self.state[p].get("momentum_buffer") is None) for p in ps]
@@ -195,12 +250,11 @@ class SGD(_KernelSteps, torch.optim.SGD):
                      "numel": [p.numel() for p in live], "first_step": first}
             table = self._table((index, device, dtype), parts, device)
             hyper = _hyper([group["lr"], momentum, group["dampening"], group["weight_decay"]], device)
-            one, zero = self._constants(device)
-            sgd_(table, hyper, one, zero, dtype, momentum != 0, group["nesterov"], group["maximize"],
-                 launcher.launch)
-        if torch_steps:
+            sgd_(table, hyper, scaling.on("grad_scale", device), self._found_inf(scaling, device), dtype,
+                 momentum != 0, group["nesterov"], group["maximize"], launcher.launch)
+        if torch_steps and not scaling.skipped_on_host():
             bufs = [self.state[p].get("momentum_buffer") for p in torch_steps]
-            torch_sgd(torch_steps, [p.grad for p in torch_steps], bufs, foreach=False, fused=False,
+            torch_sgd(torch_steps, scaling.divided([p.grad for p in torch_steps]), bufs, foreach=False, fused=False,
                                 weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
                                 dampening=group["dampening"], nesterov=group["nesterov"],
                                 maximize=group["maximize"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fusedhooks as fh
+from fusedhooks.runtime import launcher
 
 from helpers import FUSED_OPTIMIZERS, assert_close_after_steps, coef_rtol, mlp, optimizer_state, torch_fp32_norm_rtol
 
@@ -66,11 +67,13 @@ def train(make_optimizer, dtype, use_fh, backend, with_scaler=False, norm_type=2
     return model, opt, totals, scales
 
 
-def assert_trains_as_torch(name, dtype, backend, **kwargs):
+def assert_trains_as_torch(name, dtype, backend, fh_optimizer=None, **kwargs):
+    """fusedhooks' recipe against torch's with the fused optimizer `name`; fh_optimizer: the optimizer of
+    fusedhooks' recipe instead (the same hyper-parameters), which reads the fold as torch's fused step does."""
     kwargs["narrow"] = narrow_for(name, dtype)
     expected_model, expected_opt, expected_totals, expected_scales = train(FUSED_OPTIMIZERS[name], dtype, False,
                                                                            backend, **kwargs)
-    model, opt, totals, scales = train(FUSED_OPTIMIZERS[name], dtype, True, backend, **kwargs)
+    model, opt, totals, scales = train(fh_optimizer or FUSED_OPTIMIZERS[name], dtype, True, backend, **kwargs)
     start = make_model(dtype, kwargs["narrow"])
     delta = coef_rtol(dtype, kwargs.get("norm_type", 2.0), [p.numel() for p in start.parameters()])
     assert scales == expected_scales
@@ -91,6 +94,49 @@ def assert_trains_as_torch(name, dtype, backend, **kwargs):
 @pytest.mark.parametrize("name", FUSED_OPTIMIZERS)
 def test_folded_clip_trains_as_torchs_clip_and_step(name, dtype, backend):
     assert_trains_as_torch(name, dtype, backend)
+
+
+#: fusedhooks' optimizers, with the hyper-parameters of FUSED_OPTIMIZERS' torch optimizer of the same name
+FH_OPTIMIZERS = {
+    "AdamW": lambda params: fh.AdamW(params, lr=0.01, weight_decay=0.1),
+    "SGD": lambda params: fh.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["plain", "grad_scaler"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", FH_OPTIMIZERS)
+def test_clip_folded_into_fh_optimizers_trains_as_torchs_clip_and_fused_step(name, dtype, with_scaler):
+    """fh.clip_grad_norm_(..., optimizer=fh.AdamW/fh.SGD) against torch's clip then torch's fused step (with a
+    GradScaler: unscale_, clip, scaler.step; step 2 overflows, skipped by both)."""
+    assert_trains_as_torch(name, dtype, "triton", fh_optimizer=FH_OPTIMIZERS[name], with_scaler=with_scaler,
+                           inf_step=2 if with_scaler else None)
+
+
+@pytest.mark.parametrize("name", FH_OPTIMIZERS)
+def test_clip_folded_into_fh_optimizer_costs_no_pass_and_leaves_the_gradients(name, monkeypatch):
+    """With fh's optimizers the fold launches nothing (the clip reads the hook's norms) and the step is the
+    optimizer's one launch, which divides by grad_scale without writing the gradients back: `.grad` holds the
+    unclipped gradient after the step, its version unchanged, and its statistics stay current."""
+    params, opt, hook = small_setup("triton", FH_OPTIMIZERS[name])
+    backward(params)
+    grads = [p.grad.clone() for p in params]
+    launched = []
+    real_launch = launcher.launch
+
+    def recording_launch(kernel, grid, args, meta, *rest):
+        launched.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
+        return real_launch(kernel, grid, args, meta, *rest)
+
+    monkeypatch.setattr(launcher, "launch", recording_launch)
+    total = fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt)
+    versions = [p.grad._version for p in params]
+    assert launched == [] and opt.grad_scale.item() == (MAX_NORM / (total + 1e-6)).reciprocal().item()
+    opt.step()
+    assert launched == [f"{name.lower()}_kernel"]
+    assert "grad_scale" not in vars(opt)
+    assert all(torch.equal(p.grad, g) and p.grad._version == v for p, g, v in zip(params, grads, versions))
+    assert fh.clip_grad_norm_(hook, math.inf).item() == total.item()  # the rows still describe the gradients
 
 
 #: the 50-step runs: every fused optimizer on the eager backend; the Triton kernels (interpreted: 20x slower) with

@@ -143,11 +143,21 @@ def test_warmup_zero_is_one_step():
     assert guard.mean.item() == pytest.approx(total.item(), rel=1e-6) and guard.var.item() == 0.0
 
 
-def test_skip_on_spike_fused_optimizer():
+#: optimizers whose step reads found_inf on the device: torch's fused ones, fusedhooks' own
+SKIPPING_OPTIMIZERS = {
+    "torch-AdamW-fused": lambda params: torch.optim.AdamW(params, lr=0.01, fused=True),
+    "fh-AdamW": lambda params: fh.AdamW(params, lr=0.01),
+    "fh-SGD": lambda params: fh.SGD(params, lr=0.01, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("make_optimizer", SKIPPING_OPTIMIZERS.values(), ids=SKIPPING_OPTIMIZERS)
+def test_skip_on_spike_fused_optimizer(make_optimizer):
     """on_spike="skip" with a fused optimizer: exactly the injected steps after the warm-up leave the parameters and
-    the optimizer state as they were; every other step changes them; nothing is left on the optimizer."""
+    the optimizer state (step counts included) as they were; every other step changes them; nothing is left on the
+    optimizer."""
     model = make_model(torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    opt = make_optimizer(model.parameters())
     hook = fh.grad_hook(stats=("norm",))
     hook.register(model)
     guard = fh.zclip(hook, warmup_steps=WARMUP, on_spike="skip")
@@ -170,11 +180,12 @@ def test_skip_on_spike_fused_optimizer():
     assert tuple(skipped) == SPIKES
 
 
-def test_skip_composes_with_grad_scaler():
+@pytest.mark.parametrize("make_optimizer", SKIPPING_OPTIMIZERS.values(), ids=SKIPPING_OPTIMIZERS)
+def test_skip_composes_with_grad_scaler(make_optimizer):
     """Under GradScaler.step (which sets its own found_inf) a spike still skips the step, and the scaler's books
     (its scale) do not count it as an overflow."""
     model = make_model(torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    opt = make_optimizer(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1000)
     hook = fh.grad_hook(stats=("norm",), scaler=scaler, optimizer=opt)
     hook.register(model)

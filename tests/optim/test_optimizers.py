@@ -93,6 +93,21 @@ def largest(*tensors: torch.Tensor) -> torch.Tensor:
 def test_adamw_step_matches_torch_fused_adamw(options, dtype):
     """Five steps, each from the same parameters and states: parameters, exp_avg, exp_avg_sq (and max_exp_avg_sq)
     within one step's tolerance of torch.optim.AdamW(fused=True); the step counts equal."""
+    check_adamw_steps(options, dtype)
+
+
+def set_grad_scale(opts, grad_scale: float | None, found_inf: float = 0.0):
+    """Set `grad_scale` and `found_inf` on each of `opts` as GradScaler.step sets them (float32 0-dim)."""
+    if grad_scale is not None:
+        for opt in opts:
+            opt.grad_scale = torch.tensor(grad_scale, dtype=torch.float32)
+            opt.found_inf = torch.tensor(found_inf, dtype=torch.float32)
+
+
+def check_adamw_steps(options, dtype, grad_scale=None):
+    """Five steps of fh.AdamW and torch.optim.AdamW(fused=True), each from the same parameters and states (see
+    test_adamw_step_matches_torch_fused_adamw); grad_scale: set on both before each step (torch's divides the
+    gradients and writes them back; fusedhooks' leaves them)."""
     ours, theirs = make_params(dtype), make_params(dtype)
     opt = fh.AdamW(ours, lr=1e-2, **options)
     ref = torch.optim.AdamW(theirs, lr=1e-2, fused=True, **options)
@@ -102,10 +117,13 @@ def test_adamw_step_matches_torch_fused_adamw(options, dtype):
         before = [q.detach().clone() for q in theirs]
         states = [{k: v.clone() for k, v in ref.state[q].items()} for q in theirs]
         set_grads(ours, theirs, dtype, gen)
+        grads = [p.grad.clone() for p in ours]
+        set_grad_scale((opt, ref), grad_scale)
         opt.step()
         ref.step()
+        assert all(torch.equal(p.grad, g) for p, g in zip(ours, grads))
         for i, (p, q) in enumerate(zip(ours, theirs)):
-            g = q.grad.double() * (-1 if options["maximize"] else 1)
+            g = grads[i].double() / (grad_scale or 1.0) * (-1 if options["maximize"] else 1)
             # the update's magnitude before exp_avg's cancellation: step_size (|beta1 m| + |(1 - beta1) g|) / denom
             beta1, beta2 = options["betas"]
             t = step + 1
@@ -130,6 +148,13 @@ def test_sgd_step_matches_torch_sgd(options, dtype):
     """Five steps, each from the same parameters and momentum buffers, against torch.optim.SGD: fused=True for fp32
     and fp64; for fp16 and bf16 the single-tensor step (torch's CPU fused SGD of 16-bit tensors is itself several ulps
     from fp32 math), which rounds intermediates to the dtype where fusedhooks rounds once."""
+    check_sgd_steps(options, dtype)
+
+
+def check_sgd_steps(options, dtype, grad_scale=None):
+    """Five steps of fh.SGD and torch.optim.SGD, each from the same parameters and buffers (see
+    test_sgd_step_matches_torch_sgd); grad_scale: set on both before each step where torch's is fused; torch's
+    single-tensor step (16-bit) is given the gradients divided in fp32 and rounded to the dtype instead."""
     ours, theirs = make_params(dtype), make_params(dtype)
     opt = fh.SGD(ours, lr=1e-2, **options)
     fused = dtype in (torch.float32, torch.float64)
@@ -141,13 +166,20 @@ def test_sgd_step_matches_torch_sgd(options, dtype):
         bufs = [ref.state[q].get("momentum_buffer") for q in theirs]
         bufs = [None if b is None else b.clone() for b in bufs]
         set_grads(ours, theirs, dtype, gen)
+        grads = [p.grad.clone() for p in ours]
+        set_grad_scale((opt, ref) if fused else (opt,), grad_scale)
+        if grad_scale is not None and not fused:
+            for q in theirs:
+                q.grad = (q.grad.float() / grad_scale).to(dtype)
         opt.step()
         ref.step()
+        assert all(torch.equal(p.grad, g) for p, g in zip(ours, grads))
         for i, (p, q) in enumerate(zip(ours, theirs)):
             # the update's magnitude before the momentum buffer's cancellation: lr (|momentum buf| + |d_p|), and
             # (1 + momentum) times that with Nesterov
             momentum = options["momentum"]
-            d_p = q.grad.double().abs() + options.get("weight_decay", 0.0) * before[i].double().abs()
+            g = grads[i].double() / (grad_scale or 1.0)
+            d_p = g.abs() + options.get("weight_decay", 0.0) * before[i].double().abs()
             reads = d_p if bufs[i] is None else momentum * bufs[i].double().abs() + d_p
             update = 1e-2 * (1 + momentum) * reads
             assert_within_ulps(p.detach(), q.detach(), largest(before[i], update), tolerance, f"step {step} param {i}")
@@ -157,6 +189,92 @@ def test_sgd_step_matches_torch_sgd(options, dtype):
             else:
                 assert "momentum_buffer" not in opt.state[p]
         copy_state(ref, theirs, opt, ours)
+
+
+#: not a power of two: the division rounds (GradScaler's scales are powers of two; a folded clip's are not)
+GRAD_SCALE = 3.7
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("options", ADAMW_GRID[::5], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_adamw_step_divides_by_grad_scale_as_torch_fused_adamw(options, dtype):
+    """opt.grad_scale and found_inf = 0 set as GradScaler.step and a folded clip set them: each step within one
+    step's tolerance of torch's fused step given the same; `.grad` is left as the backward made it."""
+    check_adamw_steps(options, dtype, GRAD_SCALE)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("options", SGD_GRID[1:3], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_sgd_step_divides_by_grad_scale_as_torch_sgd(options, dtype):
+    check_sgd_steps(options, dtype, GRAD_SCALE)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_found_inf_step_changes_nothing(name):
+    """found_inf = 1 (a GradScaler overflow, a ZClip skip): parameters, states and step counts stay as they were,
+    also for a first step (SGD's momentum buffer does not start: one host sync) and for the parameters torch's
+    single-tensor step takes (a transposed one); the next step with found_inf = 0 is a first step."""
+    gen = torch.Generator().manual_seed(0)
+    params = make_params(torch.float32) + [torch.nn.Parameter(torch.randn(5, 3, generator=gen).t())]
+    opt = fh.AdamW(params, lr=0.1) if name == "adamw" else fh.SGD(params, lr=0.1, momentum=0.9)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref = fh.AdamW(twins, lr=0.1) if name == "adamw" else fh.SGD(twins, lr=0.1, momentum=0.9)
+    set_grads(params, twins, torch.float32, gen)
+    start = [p.detach().clone() for p in params]
+    for _ in range(2):
+        set_grad_scale((opt,), 2.0, found_inf=1.0)
+        opt.step()
+        assert all(torch.equal(p, s) for p, s in zip(params, start))
+        state = opt.state_dict()["state"]
+        if name == "sgd":
+            assert not any(state.values())  # the first step did not happen: no momentum buffer
+        else:  # as torch's fused AdamW: the state is made, and stays at step 0
+            assert len(state) == len(params) and all(
+                not value.any() for entry in state.values() for value in entry.values())
+    del opt.grad_scale, opt.found_inf
+    opt.step()
+    ref.step()
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+        for key, value in ref.state[q].items():
+            assert torch.equal(opt.state[p][key], value)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_grad_scaler_steps_as_with_torchs_optimizer(name):
+    """scaler.scale(loss).backward(); scaler.step(opt); scaler.update() for 8 steps, two of which overflow (the
+    first one among them: SGD's momentum starts later): fh's optimizer against torch's (fused AdamW; SGD without
+    fused=True, whose first skipped step would leave an uninitialised buffer), the same scales, and parameters within
+    a few fp32 ulps per step."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    if name == "adamw":
+        opts = [fh.AdamW(models[0].parameters(), lr=1e-2), torch.optim.AdamW(models[1].parameters(), lr=1e-2,
+                                                                             fused=True)]
+    else:
+        opts = [fh.SGD(models[0].parameters(), lr=1e-2, momentum=0.9),
+                torch.optim.SGD(models[1].parameters(), lr=1e-2, momentum=0.9)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    for step in range(8):
+        x = torch.randn(32, 8, generator=gen)
+        for model, opt, scaler in zip(models, opts, scalers):
+            opt.zero_grad()
+            loss = model(x).square().mean() * (math.inf if step in (0, 5) else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            assert "grad_scale" not in vars(opt) and "found_inf" not in vars(opt)
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+    assert scalers[0].get_scale() == 2.0 ** 8
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p, q, rtol=8 * 4 * 2**-24, atol=8 * 4 * 2**-24 * q.abs().max().item())
+        for key, value in opts[1].state[q].items():
+            assert opts[0].state[p][key].shape == value.shape
+            torch.testing.assert_close(opts[0].state[p][key], value.to(opts[0].state[p][key].device),
+                                       rtol=8 * 4 * 2**-24, atol=8 * 4 * 2**-24 * value.abs().max().item())
+    assert name == "sgd" or opts[0].state[next(models[0].parameters())]["step"].item() == 6
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
