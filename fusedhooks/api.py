@@ -244,7 +244,8 @@ class GradHook:
     # --- registration -----------------------------------------------------------------------------
 
     def register(self, target, name: str | None = None, bucket_mb: float | None = None,
-                 accumulation_steps: int | None = None, when=None) -> RegistrationHandle:
+                 accumulation_steps: int | None = None, when=None, optimizer=None,
+                 keep_grads: bool = False) -> RegistrationHandle:
         """Fire on the gradient of `target` after each accumulation.
 
         target: a leaf Tensor that requires grad (keyed by `name`, or "param<i>"), an nn.Module (every
@@ -273,11 +274,34 @@ class GradHook:
         at its firing, and warns once (LocalGradientWarning). FSDP2 (fully_shard, before or after this call):
         each rank's shard is processed in place; statistics are those of the whole parameter. See
         docs/distributed.md.
+
+        The optimizer step inside the backward: optimizer=opt (fh.AdamW or fh.SGD, built on these parameters) steps
+        each parameter right after its firing, from the gradient as the hook left it (any per-tensor clip in the
+        body), and then frees the gradient (`.grad = None`, unless keep_grads=True): no gradient outlives its
+        firing, and `opt.step()` leaves these parameters alone. With accumulation_steps= (or when=) the step comes
+        in the backwards that process. Not with bucket_mb=, scaler=, DDP, FSDP2 or under torch.compile (refused);
+        a global-norm clip of the same backward cannot exist (each parameter is stepped before the later gradients
+        exist): fh.clip_grad_norm_ refuses these gradients. See docs/optimizers.md.
         """
         handle, calls = RegistrationHandle(self), self.firing_calls()
+        step_in_backward = None
+        if optimizer is not None:
+            make = getattr(optimizer, "step_in_backward", None)
+            if not callable(make):
+                raise TypeError(f"register(optimizer=...) takes fh.AdamW or fh.SGD (their step runs inside the "
+                                f"backward), not {type(optimizer).__name__}")
+            if process_groups.is_ddp(target):
+                raise ValueError("register(ddp_model, optimizer=...): the optimizer step inside the backward does "
+                                 "not take DDP yet (the averaged gradient exists only after each bucket's "
+                                 "all-reduce). Register without optimizer= and call opt.step() after the backward")
+            step_in_backward = functools.partial(make, keep_grads=keep_grads)
+        elif keep_grads:
+            raise ValueError("keep_grads=True keeps the gradients an optimizer step inside the backward would free: "
+                             "it goes with optimizer=")
         if process_groups.is_ddp(target):
             return ddp.register_ddp(self.registration, calls, target, name, bucket_mb, accumulation_steps, when, handle)
-        return self.registration.register(target, name, bucket_mb, accumulation_steps, when, handle, calls)
+        return self.registration.register(target, name, bucket_mb, accumulation_steps, when, handle, calls,
+                                          step_in_backward)
 
     def firing_calls(self) -> FiringCalls:
         """The calls a registration makes into this hook's firing (see `buckets.FiringCalls`): the dispatch's (its

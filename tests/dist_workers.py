@@ -188,6 +188,7 @@ def ddp_refusals(rank: int, world: int, device) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     hook = fh.grad_hook(lambda g: g * 2)
     _raises(ValueError, "bucket_cap_mb", lambda: hook.register(ddp, bucket_mb=25))
+    _raises(ValueError, "does not take DDP", lambda: hook.register(ddp, optimizer=fh.AdamW(model.parameters())))
     ddp.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
     _raises(RuntimeError, "communication hook", lambda: hook.register(ddp))
     assert len(hook.registry) == 0, "a refused register() must leave nothing registered"
@@ -330,6 +331,26 @@ def fsdp(rank: int, world: int, device) -> None:
         fsdp_dims(rank, world, device)
         fsdp_elementwise(rank, world, device)
         fsdp_registration_windows(rank, world, device)
+        fsdp_step_in_backward_refused(rank, world, device)
+
+
+def fsdp_step_in_backward_refused(rank: int, world: int, device) -> None:
+    """register(sharded model, optimizer=): the step inside the backward does not take FSDP2's DTensor parameters
+    (refused before anything is registered); registered before fully_shard, the next forward refuses it."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fusedhooks as fh
+
+    model = _fsdp_mlp(device)
+    fully_shard(model)
+    hook = fh.grad_hook(lambda g: g * 2)
+    opt = fh.AdamW(model.parameters())
+    _raises(ValueError, "sharded (FSDP2, DTensor)", lambda: hook.register(model, optimizer=opt))
+    assert len(hook.registry) == 0, "a refused register() must leave nothing registered"
+    model = _fsdp_mlp(device)
+    hook.register(model, optimizer=fh.AdamW(model.parameters()))
+    fully_shard(model)
+    _raises(RuntimeError, "does not take sharded (FSDP2) parameters", lambda: model(torch.randn(4, 5, device=device)))
 
 
 def fsdp_elementwise(rank: int, world: int, device) -> None:

@@ -170,6 +170,11 @@ def _check_optimizers(ns, out):
     assert ns["loaded"].state_dict()["state"][0]["step"].item() == 3
 
 
+def _check_step_in_backward(ns, out):
+    assert all(ns["opt"].state[p]["step"].item() == 3 for p in ns["model"].parameters())
+    assert ns["clip"].stats.read()["0.weight"]["norm"] > 0
+
+
 def _check_whole_tensor_plan(ns, out):
     assert out.split() == ["2", "1"]
 
@@ -196,6 +201,7 @@ CHECKS = {
         _check_whole_tensor_plan,
     ("docs/reductions.md", "Over dimensions", 0): _check_reductions_over_dimensions,
     ("docs/optimizers.md", "Optimizers: fh.AdamW and fh.SGD", 0): _check_optimizers,
+    ("docs/optimizers.md", "The step inside the backward", 0): _check_step_in_backward,
 }
 
 

@@ -254,6 +254,8 @@ def _scale_by_total_norm(hook: GradHook, coefficient, norm_type: float, foreach:
         raise TypeError(f"clip_grad_norm_ takes the fusedhooks hook whose statistics give the norms (e.g. "
                         f"fh.grad_hook(stats=('norm',))), not {type(hook).__name__}")
     slot, transform = _norm_slot(hook, norm_type)
+    if any(entry.steps_in_backward for entry in hook.registry):
+        raise ValueError(STEPPED_IN_BACKWARD_MESSAGE)
     grads, entries, key = _collect(hook)
     copies = given is not None and _are_copies(given, grads)
     if copies:
@@ -399,6 +401,15 @@ def _are_copies(given: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
                            "parameters registered with the hook have a .grad: a compiled step that sets .grad to "
                            "or from None before fh.clip_grad_norm_ is not supported")
     return any(c is not g for c, g in zip(given, grads))
+
+
+#: What a global clip of gradients an optimizer steps inside the backward is refused with
+STEPPED_IN_BACKWARD_MESSAGE = (
+    "clip_grad_norm_: this hook is registered with optimizer= (the step inside the backward), which steps each "
+    "parameter at its gradient's firing, before the later gradients exist: no clip by the norm of all of them "
+    "(this backward's) can come before those steps. Clip each gradient in the hook's body (e.g. "
+    "`g * (max_norm / (g.norm() + 1e-6)).clamp(max=1.0)`, or fh.adagc), or register without optimizer= and clip "
+    "after the backward, before opt.step()")
 
 
 def grads_of(hook: GradHook) -> Iterator[tuple[Entry, torch.Tensor]]:

@@ -49,6 +49,7 @@ class Entry:
     averaged: bool = False  # registered through DDP's communication hook (register(ddp_model))
     ddp_ignored: bool = False  # of register(ddp_model), a parameter DDP ignores: its own gradient, at its firing
     sharded: bool | None = None  # the tensor is a DTensor (FSDP2); None: not known yet (its first firing)
+    steps_in_backward: bool = False  # an optimizer steps it right after its firing (register(..., optimizer=))
     #: what its statistics row describes, (grad, version, address, coef) as a plain tuple (see Measurement, and
     #: `measurement`), None before its first firing
     measured: tuple | None = None
@@ -152,6 +153,7 @@ class RegistrationHandle:
         self._items: list[tuple[weakref.ref, object, Registry | None]] = []
         self._on_remove: list = []
         self.when = None  # register()'s gate (accumulation_steps=, when=): None processes every firing
+        self.step_in_backward = None  # register()'s optimizer step after each firing (optimizer=), or None
 
     def add(self, t: torch.Tensor, torch_handle, registry: Registry | None = None) -> None:
         """Track a torch hook handle on `t`; `registry`: where `t` is registered, forgotten at remove()."""

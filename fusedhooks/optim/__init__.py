@@ -28,6 +28,8 @@ from torch.optim.adam import adam as torch_adam
 from torch.optim.sgd import sgd as torch_sgd
 
 from ..runtime import launcher
+from ..runtime.layout import is_dtensor
+from ..stats.backwards import GraphTask, same_backward, track
 
 __all__ = ["AdamW", "SGD"]
 
@@ -99,7 +101,7 @@ class _KernelSteps:
         return books
 
     def _table(self, key: tuple, parts: dict, device: torch.device):
-        """The kernels.optim.OptimTable of `parts` for `key` (group index, device, dtype), kept while `parts`
+        """The kernels.optim.OptimTable of `parts` for `key` (group index, device, dtype, tag), kept while `parts`
         stay."""
         from ..kernels import optim as kernels
 
@@ -128,13 +130,22 @@ class _KernelSteps:
             with torch.enable_grad():
                 loss = closure()
         scaling = _Scaling(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))  # read after closure
+        in_backward = self.__dict__.get("_fh_in_backward", ())
         for index, group in enumerate(self.param_groups):
-            self._step_group(index, group, scaling)
+            params = [p for p in group["params"] if p.grad is not None and id(p) not in in_backward]
+            self._step_group(index, group, scaling, params, "group")
         return loss
+
+    def step_in_backward(self, params, keep_grads: bool = False) -> BackwardSteps:
+        """Step `params` (some of this optimizer's) inside the backward, each at its gradient's firing: returns a
+        BackwardSteps, the post-accumulate hook that steps one parameter. `hook.register(model, optimizer=opt)`
+        calls it and runs it right after the hook's own firing; `opt.step()` then leaves these parameters alone."""
+        return BackwardSteps(self, list(params), keep_grads)
 
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_fh_books", None)  # device tensors and addresses: made again at the next step
+        state.pop("_fh_in_backward", None)  # ids of this process's tensors, stepped by their registrations
         return state
 
 
@@ -143,6 +154,64 @@ def _by_device_dtype(params: list[torch.Tensor]) -> dict[tuple, list[int]]:
     for i, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(i)
     return groups
+
+
+#: What a second step of one parameter in one backward is refused with
+STEPPED_TWICE_MESSAGE = (
+    "{name}: its gradient fired twice in one backward, and the optimizer stepped it at the first firing, from a "
+    "partial gradient: the parameter is used in several reentrant activation checkpoints (or inside one and outside "
+    "it, or in nested backwards), whose backwards each fire its hooks. Use checkpoint(..., use_reentrant=False), "
+    "which fires each hook once per backward, or step after the backward (opt.step())")
+
+
+class BackwardSteps:
+    """The optimizer step inside the backward (`opt.step_in_backward(params)`, `hook.register(model,
+    optimizer=opt)`): called on a parameter after its gradient is accumulated (and processed by the hook), it
+    steps that parameter alone, as `opt.step()` would with the gradient as it is (its group's hyper-parameters
+    and lr read now), then sets `.grad = None` unless `keep_grads`, so that no gradient outlives its firing.
+    `opt.step()` leaves these parameters alone until `remove()`. A parameter fired twice in one backward is refused
+    (STEPPED_TWICE_MESSAGE) rather than stepped twice; one whose firing never came (a backward that raised before
+    it) is not stepped.
+
+    Per parameter this is a firing's worth of host work: the step count's increment, the hyper-parameters copied to
+    the device, one launch (its table kept while the gradient's address stays)."""
+
+    def __init__(self, optimizer: _KernelSteps, params: list[torch.Tensor], keep_grads: bool):
+        groups = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        missing = [i for i, p in enumerate(params) if id(p) not in groups]
+        if missing:
+            raise ValueError(f"step_in_backward: {len(missing)} of the {len(params)} tensors (the first at position "
+                             f"{missing[0]}) are not parameters of this {type(optimizer).__name__}: build the "
+                             "optimizer on the parameters the hook is registered on")
+        for p in params:
+            if is_dtensor(p):
+                raise ValueError("the optimizer step inside the backward does not take sharded (FSDP2, DTensor) "
+                                 "parameters yet: step after the backward (opt.step())")
+        self.optimizer, self.keep_grads = optimizer, bool(keep_grads)
+        self._groups = {id(p): groups[id(p)] for p in params}
+        self._last: dict[int, GraphTask | None] = {}  # id(param) -> the backward of its last step
+        in_backward = optimizer.__dict__.setdefault("_fh_in_backward", set())
+        self._ids = set(self._groups) - in_backward
+        in_backward |= self._ids
+
+    @torch.no_grad()
+    def __call__(self, param: torch.Tensor) -> None:
+        if param.grad is None or id(param) not in self._ids:
+            return
+        task = track(torch._C._current_graph_task_id())
+        if same_backward(self._last.get(id(param))):
+            raise RuntimeError(STEPPED_TWICE_MESSAGE.format(name=f"a parameter of shape {tuple(param.shape)}"))
+        self._last[id(param)] = task
+        index = self._groups[id(param)]
+        self.optimizer._step_group(index, self.optimizer.param_groups[index], _Scaling(None, None), [param],
+                                   id(param))
+        if not self.keep_grads:
+            param.grad = None
+
+    def remove(self) -> None:
+        """`opt.step()` steps these parameters again; this object steps nothing more."""
+        self.optimizer.__dict__.get("_fh_in_backward", set()).difference_update(self._ids)
+        self._ids = set()
 
 
 class AdamW(_KernelSteps, torch.optim.AdamW):
@@ -155,8 +224,9 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize)
 
-    def _step_group(self, index: int, group: dict, scaling: _Scaling) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
+    def _step_group(self, index: int, group: dict, scaling: _Scaling, params: list, tag) -> None:
+        """Step `params` (of group `index`, each with a gradient); `tag`: which launch tables they keep ("group",
+        or one parameter's id in the backward)."""
         amsgrad, (beta1, beta2) = group["amsgrad"], group["betas"]
         for p in params:
             if p.grad.is_sparse:
@@ -190,7 +260,7 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
                      "state3": [self.state[p]["max_exp_avg_sq"].data_ptr() if amsgrad else 0 for p in live],
                      "step": [self.state[p]["step"].data_ptr() for p in live],
                      "numel": [p.numel() for p in live], "first_step": [0] * len(live)}
-            table = self._table((index, device, dtype), parts, device)
+            table = self._table((index, device, dtype, tag), parts, device)
             hyper = _hyper([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]], device)
             found_inf = self._found_inf(scaling, device)
             adamw_(table, hyper, scaling.on("grad_scale", device), found_inf, dtype, amsgrad, group["maximize"],
@@ -217,8 +287,9 @@ class SGD(_KernelSteps, torch.optim.SGD):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, maximize=maximize)
 
-    def _step_group(self, index: int, group: dict, scaling: _Scaling) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
+    def _step_group(self, index: int, group: dict, scaling: _Scaling, params: list, tag) -> None:
+        """Step `params` (of group `index`, each with a gradient); `tag`: which launch tables they keep ("group",
+        or one parameter's id in the backward)."""
         momentum = group["momentum"]
         kernel, torch_steps = [], []
         for p in params:
@@ -248,7 +319,7 @@ class SGD(_KernelSteps, torch.optim.SGD):
                      "state1": [self.state[p]["momentum_buffer"].data_ptr() if momentum != 0 else 0 for p in live],
                      "state2": [0] * len(live), "state3": [0] * len(live), "step": [0] * len(live),
                      "numel": [p.numel() for p in live], "first_step": first}
-            table = self._table((index, device, dtype), parts, device)
+            table = self._table((index, device, dtype, tag), parts, device)
             hyper = _hyper([group["lr"], momentum, group["dampening"], group["weight_decay"]], device)
             sgd_(table, hyper, scaling.on("grad_scale", device), self._found_inf(scaling, device), dtype,
                  momentum != 0, group["nesterov"], group["maximize"], launcher.launch)

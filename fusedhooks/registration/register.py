@@ -104,6 +104,24 @@ def run_outside_graph(fn, *args) -> None:
     ops.outside_graph(fn, *args)
 
 
+def stepping(fire, step, paused):
+    """The torch hook that fires on a parameter's gradient (`fire(param)`) and then steps the parameter
+    (`step(param)`: the optimizer's step inside the backward), unless the hook is `paused()`. While torch.compile
+    traces it (compiled autograd), both run outside the graph (`run_outside_graph`, a graph break per parameter), as
+    the gates run: the step is Python and launches of its own."""
+    def run(param: torch.Tensor) -> None:
+        fire(param)
+        if not paused():
+            step(param)
+
+    def hook(param: torch.Tensor) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            run_outside_graph(run, param)
+        else:
+            run(param)
+    return hook
+
+
 def _parse_bucket_mb(bucket_mb) -> int:
     """bucket_mb= of register(): None or 0 -> 0 (each gradient at its own firing), else bytes per bucket."""
     if bucket_mb is None:
@@ -144,12 +162,23 @@ class Registration:
     # --- register() -------------------------------------------------------------------------------
 
     def register(self, target, name: str | None, bucket_mb: float | None, accumulation_steps: int | None, when,
-                 handle: RegistrationHandle, calls: FiringCalls) -> RegistrationHandle:
+                 handle: RegistrationHandle, calls: FiringCalls, step_in_backward=None) -> RegistrationHandle:
         """`GradHook.register` (see its docstring) of anything but a DDP model (`ddp.register_ddp`): register `target`
-        into `handle` (new and empty; returned), its torch hooks calling into the hook's firing through `calls`."""
+        into `handle` (new and empty; returned), its torch hooks calling into the hook's firing through `calls`.
+        step_in_backward: `optimizer.step_in_backward` (register(..., optimizer=)): given the tensors, it returns the
+        step that runs after each firing (see `stepping`)."""
         check_name(name)
         when = gates.parse(accumulation_steps, when)
         bucket_bytes = _parse_bucket_mb(bucket_mb) if not isinstance(target, torch.Tensor) else 0
+        if step_in_backward is not None:
+            if bucket_bytes:
+                raise ValueError("register(optimizer=...) steps each parameter right after its own firing: it does "
+                                 "not take bucket_mb= (end-of-backward buckets)")
+            if self.compilation.amp:
+                raise ValueError(f"{self.hook_name}: register(optimizer=...) does not take a hook with scaler= yet: a "
+                                 "GradScaler skips a whole step when any gradient overflows, which a step per "
+                                 "parameter inside the backward cannot do. Step after the backward "
+                                 "(scaler.step(opt)) or train without a scaler (bf16)")
         handle.when = when
         with self.lock:  # against other threads' registrations, first firings included
             pairs = list(self.named_targets(target, name))
@@ -162,7 +191,15 @@ class Registration:
             self.check_targets(pairs)
             if torch.__future__.get_swap_module_params_on_conversion():
                 warnings.warn(SWAP_CONVERSION_WARNING, stacklevel=3)  # at the caller of GradHook.register
-            self.register_pairs(pairs, bucket_bytes, handle, calls)
+            if step_in_backward is not None:
+                handle.step_in_backward = step_in_backward([t for _, t in pairs])  # checks them: before registering
+                handle.on_remove(handle.step_in_backward.remove)
+            try:
+                self.register_pairs(pairs, bucket_bytes, handle, calls)
+            except BaseException:
+                if handle.step_in_backward is not None:
+                    handle.step_in_backward.remove()
+                raise
         if isinstance(target, torch.nn.Module):
             follow_parameters(self, calls, target, name, bucket_bytes, handle)
         return handle
@@ -268,6 +305,9 @@ class Registration:
                 entry.ddp_ignored = ddp_ignored
                 entry.bucket_bytes = bucket_bytes
                 fire = self.buckets.torch_hook(entry, calls) if bucket_bytes else calls.at_firing(entry)
+                if handle.step_in_backward is not None:
+                    entry.steps_in_backward = True
+                    fire = stepping(fire, handle.step_in_backward, calls.is_paused)
                 if when is not None:
                     fire = gates.gated(fire, when, run_outside_graph, calls.is_paused)
                 torch_handle = t.register_post_accumulate_grad_hook(fire)
@@ -335,6 +375,11 @@ class _FollowParameters:
         pairs = current_parameters(mod, self.prefix)
         now = {id(t) for t in handle.tensors}
         if {id(t) for _, t in pairs} != now:
+            if handle.step_in_backward is not None:
+                raise RuntimeError(f"{registration.hook_name} was registered with optimizer= on this "
+                                   f"{type(mod).__name__}, whose parameters fully_shard has replaced since: the step "
+                                   "inside the backward does not take sharded (FSDP2) parameters yet. Step after the "
+                                   "backward (opt.step())")
             handle.untrack()
             registration.check_targets(pairs)
             registration.register_pairs(pairs, self.bucket_bytes, handle, self.calls)

@@ -1,0 +1,258 @@
+"""The optimizer step inside the backward (`hook.register(model, optimizer=opt)`): each parameter stepped right after
+its firing, its gradient freed. Against the same optimizer stepping after the backward (the same kernel on the same
+gradients: bit for bit) and against torch's recipe (eager per-tensor clip hooks, then torch's fused step); the live
+gradients during the backward; accumulation, a backward that raises, a parameter fired twice, the refusals."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import fusedhooks as fh
+
+from helpers import RaisingBackward, mlp
+
+CLIP = 0.02
+OPTIMIZERS = {
+    "adamw": lambda params: fh.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "sgd": lambda params: fh.SGD(params, lr=1e-1, momentum=0.9, nesterov=True),
+}
+
+
+def clip_hook():
+    """A per-tensor clip (elementwise: fusedhooks' equals torch's bit for bit) that also records statistics."""
+
+    @fh.grad_hook(stats=("norm", "absmax"))
+    def clip(g):
+        return g.clamp(-CLIP, CLIP)
+
+    return clip
+
+
+def batches(dtype, n, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 8, generator=gen).to(dtype), torch.randn(16, 5, generator=gen).to(dtype))
+            for _ in range(n)]
+
+
+def loss_of(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_in_backward_equals_the_step_after_the_backward(name, dtype):
+    """Five steps: stepping each parameter at its firing gives the parameters, states and statistics that the same
+    optimizer stepping after the backward gives (the same kernel on the same clipped gradients); the gradients are
+    freed (None) when backward() returns."""
+    models = [mlp((8, 16, 5), dtype=dtype) for _ in range(2)]
+    opts = [OPTIMIZERS[name](m.parameters()) for m in models]
+    hooks = [clip_hook() for _ in range(2)]
+    hooks[0].register(models[0], optimizer=opts[0])
+    hooks[1].register(models[1])
+    for batch in batches(dtype, 5):
+        losses = []
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            loss = loss_of(model, batch)
+            loss.backward()
+            opt.step()  # a no-op for the parameters stepped in the backward
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+        assert all(p.grad is None for p in models[0].parameters())
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(p, q)
+            assert opts[0].state[p].keys() == opts[1].state[q].keys()
+            for key, value in opts[1].state[q].items():
+                assert torch.equal(opts[0].state[p][key], value), key
+        first, second = hooks[0].stats.read(), hooks[1].stats.read()
+        for key in second:
+            assert first[key]["norm"] == second[key]["norm"]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_trains_as_per_tensor_clip_hooks_then_torchs_fused_step(name):
+    """20 steps against torch's recipe: eager per-tensor clip hooks, then torch's fused optimizer after the backward;
+    the same losses and parameters within a few fp32 ulps per step (the kernels' roundings against torch's)."""
+    models = [mlp((8, 16, 5)) for _ in range(2)]
+    opt = OPTIMIZERS[name](models[0].parameters())
+    if name == "adamw":
+        ref = torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    else:
+        ref = torch.optim.SGD(models[1].parameters(), lr=1e-1, momentum=0.9, nesterov=True, fused=True)
+    clip_hook().register(models[0], optimizer=opt)
+    def torch_clip(p):
+        p.grad.clamp_(-CLIP, CLIP)
+
+    for p in models[1].parameters():
+        p.register_post_accumulate_grad_hook(torch_clip)
+    steps = 20
+    for step, batch in enumerate(batches(torch.float32, steps)):
+        loss = loss_of(models[0], batch)
+        loss.backward()
+        ref.zero_grad()
+        expected = loss_of(models[1], batch)
+        expected.backward()
+        ref.step()
+        rtol = (step + 1) * 8 * 2**-24
+        torch.testing.assert_close(loss, expected, rtol=rtol, atol=0)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p, q, rtol=steps * 8 * 2**-24, atol=steps * 8 * 2**-24 * q.abs().max().item())
+
+
+def live_gradients_during_backward(model, register):
+    """The most `.grad` tensors of `model` alive at once during one backward, counted at each firing by a hook that
+    runs after fusedhooks' (registered later)."""
+    params = list(model.parameters())
+    register(model)
+    counts = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: counts.append(sum(q.grad is not None for q in params)))
+    loss_of(model, batches(torch.float32, 1)[0]).backward()
+    return max(counts)
+
+
+def test_no_gradient_outlives_its_firing():
+    """The peak of live gradients during the backward: every parameter's without optimizer= (they all live until the
+    step), none with it (each freed at its firing, before the next is accumulated); with keep_grads=True all."""
+    model = mlp((8, 16, 5))
+    n = len(list(model.parameters()))
+    assert live_gradients_during_backward(mlp((8, 16, 5)), lambda m: clip_hook().register(m)) == n
+    opt = fh.AdamW(model.parameters())
+    assert live_gradients_during_backward(model, lambda m: clip_hook().register(m, optimizer=opt)) == 0
+    kept = mlp((8, 16, 5))
+    opt = fh.AdamW(kept.parameters())
+    assert live_gradients_during_backward(kept, lambda m: clip_hook().register(m, optimizer=opt,
+                                                                              keep_grads=True)) == n
+    assert all(p.grad is not None for p in kept.parameters())
+
+
+def test_accumulation_steps_step_on_the_accumulated_gradient():
+    """accumulation_steps=2: the first micro-batch's gradients stay (nothing stepped), the second's firing steps on
+    their sum and frees it; bit for bit the optimizer stepping after two accumulated backwards."""
+    models = [mlp((8, 16, 5)) for _ in range(2)]
+    opts = [fh.AdamW(m.parameters(), lr=1e-2) for m in models]
+    clip_hook().register(models[0], optimizer=opts[0], accumulation_steps=2)
+    clip_hook().register(models[1], accumulation_steps=2)
+    data = batches(torch.float32, 6)
+    for i in range(0, 6, 2):
+        for model in models:
+            loss_of(model, data[i]).backward()
+        assert all(p.grad is not None for p in models[0].parameters())
+        assert all("step" not in opts[0].state[p] or opts[0].state[p]["step"].item() == i // 2
+                   for p in models[0].parameters())
+        for model in models:
+            loss_of(model, data[i + 1]).backward()
+        opts[1].step()
+        opts[1].zero_grad()
+        assert all(p.grad is None for p in models[0].parameters())
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(p, q) and opts[0].state[p]["step"].item() == i // 2 + 1
+
+
+def test_a_backward_that_raises_steps_what_fired_once_and_nothing_else():
+    """A backward that raises half-way: the layer behind the raise (fired) is stepped once and its gradient freed,
+    the one before it never fired: no state, no gradient. The next backward steps each once more."""
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    opt = fh.AdamW(list(first.parameters()) + list(second.parameters()), lr=1e-2)
+    clip_hook().register(torch.nn.ModuleList([first, second]), optimizer=opt)
+    x = torch.randn(3, 4)
+    with pytest.raises(FloatingPointError):
+        second(RaisingBackward.apply(first(x))).sum().backward()
+    assert all(opt.state[p]["step"].item() == 1 and p.grad is None for p in second.parameters())
+    assert all(not opt.state[p] and p.grad is None for p in first.parameters())
+    second(first(x)).sum().backward()
+    assert all(opt.state[p]["step"].item() == 2 for p in second.parameters())
+    assert all(opt.state[p]["step"].item() == 1 for p in first.parameters())
+
+
+def test_a_parameter_fired_twice_in_one_backward_is_refused_not_stepped_twice():
+    """A layer used inside a reentrant checkpoint and outside it fires twice in one backward: the second firing is
+    refused (the first stepped from a partial gradient); with use_reentrant=False it fires once and steps once."""
+    layer = torch.nn.Linear(4, 4)
+    opt = fh.SGD(layer.parameters(), lr=0.1)
+    clip_hook().register(layer, optimizer=opt)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="fired twice in one backward"):
+        layer(checkpoint(layer, x, use_reentrant=True)).sum().backward()
+    before = [p.detach().clone() for p in layer.parameters()]
+    layer(checkpoint(layer, x, use_reentrant=False)).sum().backward()
+    assert all(not torch.equal(b, p) for b, p in zip(before, layer.parameters()))
+
+
+def test_the_step_after_the_backward_leaves_them_alone_until_remove():
+    """keep_grads=True: opt.step() after the backward does not step the parameters stepped in it again; after the
+    registration's remove() it does."""
+    model = mlp((8, 16, 5))
+    opt = fh.AdamW(model.parameters(), lr=1e-2)
+    handle = clip_hook().register(model, optimizer=opt, keep_grads=True)
+    loss_of(model, batches(torch.float32, 1)[0]).backward()
+    opt.step()
+    assert all(opt.state[p]["step"].item() == 1 for p in model.parameters())
+    handle.remove()
+    opt.step()
+    assert all(opt.state[p]["step"].item() == 2 for p in model.parameters())
+
+
+def test_a_schedule_sets_the_lr_of_the_next_firings():
+    """LambdaLR between steps: each firing reads its group's lr then; the same as stepping after the backward."""
+    models = [mlp((8, 16, 5)) for _ in range(2)]
+    opts = [fh.SGD(m.parameters(), lr=0.1) for m in models]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + step)) for o in opts]
+    clip_hook().register(models[0], optimizer=opts[0])
+    clip_hook().register(models[1])
+    for batch in batches(torch.float32, 3):
+        for model, opt, schedule in zip(models, opts, schedules):
+            opt.zero_grad()
+            loss_of(model, batch).backward()
+            opt.step()
+            schedule.step()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+
+
+def test_refusals():
+    model = mlp((8, 16, 5))
+    opt = fh.AdamW(model.parameters())
+    with pytest.raises(TypeError, match="fh.AdamW or fh.SGD"):
+        clip_hook().register(model, optimizer=torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match="not parameters of this AdamW"):
+        clip_hook().register(model, optimizer=fh.AdamW(model[0].parameters()))
+    with pytest.raises(ValueError, match="bucket_mb"):
+        clip_hook().register(model, optimizer=opt, bucket_mb=1)
+    with pytest.raises(ValueError, match="goes with optimizer="):
+        clip_hook().register(model, keep_grads=True)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match="scaler="):
+        fh.grad_hook(stats=("norm",), scaler=scaler, optimizer=opt).register(model, optimizer=opt)
+    hook = clip_hook()
+    hook.register(model, optimizer=opt)
+    loss_of(model, batches(torch.float32, 1)[0]).backward()
+    with pytest.raises(ValueError, match="before the later gradients exist"):
+        fh.clip_grad_norm_(hook, 1.0)
+    # nothing was left registered by the refusals: each parameter stepped once
+    assert all(opt.state[p]["step"].item() == 1 for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_under_compiled_autograd_each_step_runs_outside_the_graph(backend):
+    """torch.compile of the step with compiled autograd on (PyTorch's documented flag): each firing and step runs
+    outside the compiled graph, eagerly, with the same results as without compile, three steps."""
+    models = [mlp((8, 16, 5)) for _ in range(2)]
+    opts = [fh.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for model, opt in zip(models, opts):
+        clip_hook().register(model, optimizer=opt)
+
+    def step(model, batch):
+        loss_of(model, batch).backward()
+
+    compiled = torch.compile(step, backend=backend)
+    for batch in batches(torch.float32, 3):
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            compiled(models[0], batch)
+        step(models[1], batch)
+        assert all(p.grad is None for p in models[0].parameters())
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+        for key, value in opts[1].state[q].items():
+            assert torch.equal(opts[0].state[p][key], value)
