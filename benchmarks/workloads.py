@@ -10,6 +10,7 @@ same work on the same gradients, its own way:
     eager+item      the seed-style hook: the same eager ops, every statistic or scalar read with `.item()`
     torch built-in  `clip_grad_value_`, `clip_grad_norm_`, `GradScaler.unscale_`, where one applies
     fusedhooks folded  `fh.clip_grad_norm_(hook, max_norm, optimizer=opt)` into a fused optimizer (clip_step only)
+    fusedhooks step    the same fold into fusedhooks' own optimizer, `fh.AdamW` (clip_step only)
     torch.compile   the `eager` hook function, compiled (default options)
     no hook         nothing: the baseline of the model step
 
@@ -199,6 +200,9 @@ class Workload:
 
     def folded(self, env: Env) -> Impl:
         raise NotApplicable("nothing to fold: the global clip into a fused optimizer's step is clip_step's")
+
+    def owned_step(self, env: Env) -> Impl:
+        raise NotApplicable("no optimizer step: fh.AdamW's step is clip_step's")
 
 
 def _on_param_grad(fn: Callable, p: torch.Tensor, state, sync: bool) -> None:
@@ -462,6 +466,8 @@ class ClipStep(Workload):
         fusedhooks          fh.clip_grad_norm_(hook, MAX_NORM) + step: the norms are the hook's, scale R+W
         fusedhooks folded   fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt) + step: the coefficient folded into
                             opt.grad_scale; the step divides the gradient and writes it back (1 W)
+        fusedhooks step     the same fold into fh.AdamW (lr 0): its step divides the gradient as it reads it and
+                            writes nothing back (0)
 
     Bytes per element, in element sizes: the step reads grad, param, exp_avg, exp_avg_sq and writes the last three
     (STEP_TRAFFIC = 7, all in the parameter's dtype), plus the clip's gradient traffic (CLIP_TRAFFIC). The gradient
@@ -472,7 +478,7 @@ class ClipStep(Workload):
     name, title = "clip_step", "global clip + fused AdamW step"
     STEP_TRAFFIC = 7
     #: gradient reads + writes of each provider's clip (the folded step's write-back of the divided gradient)
-    CLIP_TRAFFIC = {"torch built-in": 3, "fusedhooks": 2, "fusedhooks folded": 1}
+    CLIP_TRAFFIC = {"torch built-in": 3, "fusedhooks": 2, "fusedhooks folded": 1, "fusedhooks step": 0}
     after_backward_only = True
 
     def optimizer(self, env: Env) -> torch.optim.Optimizer:
@@ -488,17 +494,20 @@ class ClipStep(Workload):
         return Impl(hooks=[hook] * len(env.params) if hook else [], after=clip,
                     bytes_per_element=_bytes(traffic, env.dtype), fh_hook=hook, fh_structure=structure)
 
-    def fusedhooks(self, env, fold=False):
+    def fusedhooks(self, env, fold=False, provider="fusedhooks"):
         hook = fh.grad_hook(stats=("norm",))
-        opt = self.optimizer(env)
+        opt = fh.AdamW(env.tensors, lr=0.0) if provider == "fusedhooks step" else self.optimizer(env)
 
         def after():
             fh.clip_grad_norm_(hook, MAX_NORM, optimizer=opt if fold else None)
             opt.step()
-        return self.impl(env, "fusedhooks folded" if fold else "fusedhooks", after, hook)
+        return self.impl(env, provider, after, hook)
 
     def folded(self, env):
-        return self.fusedhooks(env, fold=True)
+        return self.fusedhooks(env, fold=True, provider="fusedhooks folded")
+
+    def owned_step(self, env):
+        return self.fusedhooks(env, fold=True, provider="fusedhooks step")
 
     def builtin(self, env):
         opt = self.optimizer(env)
@@ -544,6 +553,7 @@ PROVIDERS: dict[str, Callable[[Workload, Env], Impl]] = {
     "eager+item": lambda w, env: w.eager(env, sync=True),
     "torch built-in": lambda w, env: w.builtin(env),
     "fusedhooks folded": lambda w, env: w.folded(env),
+    "fusedhooks step": lambda w, env: w.owned_step(env),
     "torch.compile": lambda w, env: w.compiled(env),
     "no hook": no_hook,
 }

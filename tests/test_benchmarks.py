@@ -84,7 +84,7 @@ def test_quick_run_sweep_figures(quick):
         assert r["gbps"] > 0 and r["copy_gbps"] > 0 and r["copy_ratio"] == pytest.approx(r["gbps"] / r["copy_gbps"])
         assert r["host_us_per_firing"] > 0 and r["gradients"] == 1
         assert r["vs_fusedhooks"] > 0
-        if r["provider"] in ("fusedhooks", "fusedhooks folded"):
+        if r["provider"] in ("fusedhooks", "fusedhooks folded", "fusedhooks step"):
             assert isinstance(r["launches"], int) and r["launches"] == r["fusedhooks_plan"]["launches"]
         else:
             assert r["launches"] is None and r["launches_how"].startswith("n/a")
@@ -140,11 +140,11 @@ def test_quick_run_prints_markdown(quick):
     assert "results.json" in stdout
 
 
-def test_clip_step_times_three_paths_after_backward(quick, monkeypatch):
+def test_clip_step_times_four_paths_after_backward(quick, monkeypatch):
     """The optimizer step after backward: torch's clip_grad_norm_ + fused AdamW, fh.clip_grad_norm_ (scale pass) +
-    fused AdamW, and the clip folded into the fused step, each with its bytes: the step's 7 element sizes (grad,
-    param, exp_avg, exp_avg_sq read; the last three written) plus the clip's 3 (norm R, scale R+W), 2 (scale R+W)
-    and 1 (the folded step writes the divided gradient back)."""
+    fused AdamW, the clip folded into the fused step, and folded into fh.AdamW's, each with its bytes: the step's 7
+    element sizes (grad, param, exp_avg, exp_avg_sq read; the last three written) plus the clip's 3 (norm R, scale
+    R+W), 2 (scale R+W), 1 (the folded step writes the divided gradient back) and 0."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from harness import human
 
@@ -153,23 +153,27 @@ def test_clip_step_times_three_paths_after_backward(quick, monkeypatch):
     itemsize = {"fp32": 4, "bf16": 2}
     for dtype in data["settings"]["dtypes"]:
         for numel in data["settings"]["sizes"]:
-            for provider, elements in {"torch built-in": 10, "fusedhooks": 9, "fusedhooks folded": 8}.items():
+            for provider, elements in {"torch built-in": 10, "fusedhooks": 9, "fusedhooks folded": 8,
+                                       "fusedhooks step": 7}.items():
                 r = results[("clip_step", provider, dtype, numel)]
                 assert r["status"] == "ok" and r["median_us"] > 0, r
                 assert r["bytes_per_element"] == elements * itemsize[dtype]
                 assert f"| {human(numel)} | {dtype} | {provider} | " in stdout
             assert results[("clip_step", "fusedhooks", dtype, numel)]["fusedhooks_plan"]["passes"] == 1
             assert results[("clip_step", "fusedhooks folded", dtype, numel)]["launches"] == 0
+            assert results[("clip_step", "fusedhooks step", dtype, numel)]["launches"] == 0
             assert results[("clip_step", "eager", dtype, numel)]["status"] == "n/a"
     assert "## global clip + fused AdamW step (`clip_step`)" in stdout
     # the folded provider is clip_step's alone
     assert results[("clip_stats", "fusedhooks folded", "fp32", data["settings"]["sizes"][0])]["status"] == "n/a"
+    assert results[("clip_stats", "fusedhooks step", "fp32", data["settings"]["sizes"][0])]["status"] == "n/a"
 
 
-@pytest.mark.parametrize("provider", ["torch built-in", "fusedhooks", "fusedhooks folded"])
+@pytest.mark.parametrize("provider", ["torch built-in", "fusedhooks", "fusedhooks folded", "fusedhooks step"])
 def test_clip_step_providers_clip_and_step(provider, monkeypatch):
     """Each clip_step provider's timed call (after its untimed hooks) clips the gradient to max_norm and steps the
-    fused AdamW; the folded one through opt.grad_scale, consumed by the step."""
+    fused AdamW; the folded ones through opt.grad_scale, consumed by the step (fh.AdamW's leaves .grad unclipped,
+    its moments those of the clipped gradient)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     from workloads import MAX_NORM, PROVIDERS, WORKLOADS, Env
@@ -181,8 +185,9 @@ def test_clip_step_providers_clip_and_step(provider, monkeypatch):
     impl = PROVIDERS[provider](WORKLOADS["clip_step"], env)
     impl.attach(env)
     scales = []
+    stepped = []
     handle = register_optimizer_step_pre_hook(
-        lambda opt, args, kwargs: scales.append(vars(opt).get("grad_scale")))
+        lambda opt, args, kwargs: scales.append(vars(opt).get("grad_scale")) or stepped.append(opt))
     try:
         with torch.no_grad():
             for hook in impl.hooks:
@@ -192,8 +197,13 @@ def test_clip_step_providers_clip_and_step(provider, monkeypatch):
         handle.remove()
         impl.detach()
     coef = MAX_NORM / (grad.norm() + 1e-6)
-    torch.testing.assert_close(param.grad, grad * coef, rtol=4 * 2.0 ** -24, atol=0)
-    assert len(scales) == 1 and (scales[0] is not None) == (provider == "fusedhooks folded")
+    if provider == "fusedhooks step":
+        assert torch.equal(param.grad, grad)
+        (opt,) = stepped
+        torch.testing.assert_close(opt.state[param]["exp_avg"], 0.1 * grad * coef, rtol=8 * 2.0 ** -24, atol=0)
+    else:
+        torch.testing.assert_close(param.grad, grad * coef, rtol=4 * 2.0 ** -24, atol=0)
+    assert len(scales) == 1 and (scales[0] is not None) == provider.startswith("fusedhooks ")
     torch.testing.assert_close(param, torch.zeros_like(param))  # lr 0: the parameter stays
 
 

@@ -260,13 +260,43 @@ def test_optimizer_step_matches_torch_fused_on_cuda(name, dtype):
         opt, ref = fh.AdamW(ours, lr=1e-2, amsgrad=True), torch.optim.AdamW(theirs, lr=1e-2, amsgrad=True, fused=True)
     else:
         opt, ref = fh.SGD(ours, lr=1e-2, momentum=0.9), torch.optim.SGD(theirs, lr=1e-2, momentum=0.9, fused=True)
-    for _ in range(3):
+    for step in range(3):
         for p, q in zip(ours, theirs):
             g = torch.randn(p.shape, device="cuda", generator=gen).to(dtype)
             p.grad, q.grad = g.clone(), g.clone()
+        if step == 2:  # a folded clip's grad_scale (not a power of two), divided as torch divides it
+            for o in (opt, ref):
+                o.grad_scale = torch.tensor(3.7, device="cuda")
+                o.found_inf = torch.zeros((), device="cuda")
         opt.step()
         ref.step()
+    for o in (opt, ref):
+        del o.grad_scale, o.found_inf
     ulps = 8 if dtype == torch.float32 else 2
     for p, q in zip(ours, theirs):
         scale = torch.finfo(dtype).eps * q.detach().abs().max().item()
         assert (p - q).abs().max().item() <= 3 * ulps * scale
+
+
+def test_optimizer_step_in_backward_on_cuda():
+    """register(model, optimizer=fh.AdamW) on CUDA: the same parameters and states, bit for bit, as the same
+    optimizer stepping after the backward, and no .grad left."""
+    models = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8)).cuda()
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [fh.AdamW(m.parameters(), lr=1e-2) for m in models]
+    hooks = [fh.grad_hook(lambda g: g.clamp(-0.01, 0.01)) for _ in range(2)]
+    hooks[0].register(models[0], optimizer=opts[0])
+    hooks[1].register(models[1])
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(32, 64, device="cuda", generator=gen)
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    assert all(p.grad is None for p in models[0].parameters())
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+        for key, value in opts[1].state[q].items():
+            assert torch.equal(opts[0].state[p][key], value)
