@@ -104,19 +104,26 @@ def set_grad_scale(opts, grad_scale: float | None, found_inf: float = 0.0):
             opt.found_inf = torch.tensor(found_inf, dtype=torch.float32)
 
 
-def check_adamw_steps(options, dtype, grad_scale=None):
-    """Five steps of fh.AdamW and torch.optim.AdamW(fused=True), each from the same parameters and states (see
+def random_grads(dtype):
+    """set_step_grads(ours, theirs, step) of check_*_steps: the same random gradients on both sides."""
+    gen = torch.Generator().manual_seed(1)
+    return lambda ours, theirs, step: set_grads(ours, theirs, dtype, gen)
+
+
+def check_adamw_steps(options, dtype, grad_scale=None, steps=5, params=None, set_step_grads=None):
+    """`steps` steps of fh.AdamW and torch.optim.AdamW(fused=True), each from the same parameters and states (see
     test_adamw_step_matches_torch_fused_adamw); grad_scale: set on both before each step (torch's divides the
-    gradients and writes them back; fusedhooks' leaves them)."""
-    ours, theirs = make_params(dtype), make_params(dtype)
+    gradients and writes them back; fusedhooks' leaves them). params: (ours, theirs), equal lists of parameters
+    (default: make_params); set_step_grads(ours, theirs, step) gives both the same gradients (default: random)."""
+    ours, theirs = params or (make_params(dtype), make_params(dtype))
     opt = fh.AdamW(ours, lr=1e-2, **options)
     ref = torch.optim.AdamW(theirs, lr=1e-2, fused=True, **options)
-    gen = torch.Generator().manual_seed(1)
+    set_step_grads = set_step_grads or random_grads(dtype)
     tolerance = one_step_tolerance(dtype)
-    for step in range(5):
+    for step in range(steps):
         before = [q.detach().clone() for q in theirs]
         states = [{k: v.clone() for k, v in ref.state[q].items()} for q in theirs]
-        set_grads(ours, theirs, dtype, gen)
+        set_step_grads(ours, theirs, step)
         grads = [p.grad.clone() for p in ours]
         set_grad_scale((opt, ref), grad_scale)
         opt.step()
@@ -151,21 +158,22 @@ def test_sgd_step_matches_torch_sgd(options, dtype):
     check_sgd_steps(options, dtype)
 
 
-def check_sgd_steps(options, dtype, grad_scale=None):
-    """Five steps of fh.SGD and torch.optim.SGD, each from the same parameters and buffers (see
+def check_sgd_steps(options, dtype, grad_scale=None, steps=5, params=None, set_step_grads=None):
+    """`steps` steps of fh.SGD and torch.optim.SGD, each from the same parameters and buffers (see
     test_sgd_step_matches_torch_sgd); grad_scale: set on both before each step where torch's is fused; torch's
-    single-tensor step (16-bit) is given the gradients divided in fp32 and rounded to the dtype instead."""
-    ours, theirs = make_params(dtype), make_params(dtype)
+    single-tensor step (16-bit) is given the gradients divided in fp32 and rounded to the dtype instead. params,
+    set_step_grads: as check_adamw_steps'."""
+    ours, theirs = params or (make_params(dtype), make_params(dtype))
     opt = fh.SGD(ours, lr=1e-2, **options)
     fused = dtype in (torch.float32, torch.float64)
     ref = torch.optim.SGD(theirs, lr=1e-2, fused=fused or None, foreach=False if not fused else None, **options)
-    gen = torch.Generator().manual_seed(1)
+    set_step_grads = set_step_grads or random_grads(dtype)
     tolerance = one_step_tolerance(dtype, rounds_intermediates=not fused)
-    for step in range(5):
+    for step in range(steps):
         before = [q.detach().clone() for q in theirs]
         bufs = [ref.state[q].get("momentum_buffer") for q in theirs]
         bufs = [None if b is None else b.clone() for b in bufs]
-        set_grads(ours, theirs, dtype, gen)
+        set_step_grads(ours, theirs, step)
         grads = [p.grad.clone() for p in ours]
         set_grad_scale((opt, ref) if fused else (opt,), grad_scale)
         if grad_scale is not None and not fused:
@@ -275,6 +283,64 @@ def test_grad_scaler_steps_as_with_torchs_optimizer(name):
             torch.testing.assert_close(opts[0].state[p][key], value.to(opts[0].state[p][key].device),
                                        rtol=8 * 4 * 2**-24, atol=8 * 4 * 2**-24 * value.abs().max().item())
     assert name == "sgd" or opts[0].state[next(models[0].parameters())]["step"].item() == 6
+
+
+def demo_model() -> torch.nn.Module:
+    from fusedhooks.cli.demo import make_model
+
+    torch.manual_seed(0)
+    return make_model("cpu")
+
+
+def model_grads(model_ref, batches):
+    """set_step_grads of check_*_steps: torch's model `model_ref` (the reference optimizer's parameters) computes
+    the gradients of batch `step` (forward, loss, backward), and fusedhooks' parameters get copies of them."""
+    def set_step_grads(ours, theirs, step):
+        inputs, targets = batches(step)
+        model_ref.zero_grad(set_to_none=True)
+        logits = model_ref(inputs)
+        torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten()).backward()
+        for p, q in zip(ours, theirs):
+            p.grad = q.grad.clone()
+    return set_step_grads
+
+
+def demo_batches(step):
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(64, 32, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+
+
+#: the 100-step runs: the demo's model over a grid, and GPT2Config.tiny (2 layers, d_model 64, 0.14 M parameters; the
+#: interpreter steps nanoGPT's 10.7 M-parameter character model in about 4 s a step: its run is test_gpu's)
+HUNDRED_STEP_CASES = [("adamw", "demo", dict(amsgrad=False, maximize=False, weight_decay=0.01, betas=(0.9, 0.999))),
+                      ("adamw", "demo", dict(amsgrad=True, maximize=True, weight_decay=0.1, betas=(0.8, 0.95))),
+                      ("adamw", "gpt", dict(amsgrad=False, maximize=False, weight_decay=0.1, betas=(0.9, 0.95))),
+                      ("sgd", "demo", dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
+                      ("sgd", "demo", dict(momentum=0.9, dampening=0.3))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, model, options", HUNDRED_STEP_CASES,
+                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
+def test_hundred_training_steps_of_a_model_stay_within_a_steps_tolerance(name, model, options):
+    """100 training steps of a real model's gradients (fp32): at every step, from the same parameters and states,
+    fh's optimizer is within one step's tolerance of torch's fused one (the per-step bound of the tests above; then
+    both go on from torch's values, so that the bound is each step's, not a sum that grows)."""
+    from fusedhooks.testing import GPT2Config, gpt2, synthetic_batch
+
+    if model == "demo":
+        pair = (demo_model(), demo_model())
+        batches = demo_batches
+    else:
+        config = GPT2Config.tiny()
+        pair = (gpt2(config), gpt2(config))
+        pair[1].load_state_dict(pair[0].state_dict())
+
+        def batches(step):
+            return synthetic_batch(config, 4, 32, generator=torch.Generator().manual_seed(step))
+    params = (list(pair[0].parameters()), list(pair[1].parameters()))
+    check = check_adamw_steps if name == "adamw" else check_sgd_steps
+    check(options, torch.float32, steps=100, params=params, set_step_grads=model_grads(pair[1], batches))
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
