@@ -37,6 +37,19 @@ def to_bf16(x):
 
 
 @triton.jit
+def to_bf16_stochastic(x, random):
+    """x: fp32 [BLOCK] -> bf16 [BLOCK], rounded stochastically as torchao's `_fp32_to_bf16_sr`: away from zero with
+    probability (the 16 bits bf16 drops) / 65536, else towards zero (unbiased: E[result] = x where no overflow);
+    random: uint32 [BLOCK], uniform in [0, 65536). NaN stays NaN (rounded to nearest: its dropped bits are no
+    fraction)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    towards_zero = bits & 0xFFFF0000
+    rounded = tl.where(random < (bits & 0xFFFF), towards_zero + 0x10000, towards_zero)
+    y = (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.where(x != x, to_bf16(x), y)
+
+
+@triton.jit
 def bf16_to_fp32(x):
     """x: bf16 [BLOCK] -> fp32 [BLOCK], exactly (through bits: the interpreter's cast mangles subnormals)."""
     if HARDWARE_CASTS:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .elementwise import bf16_to_fp32, to_bf16
+from .elementwise import bf16_to_fp32, to_bf16, to_bf16_stochastic
 from .multi_tensor import TL_DTYPES, launch_config
 
 #: The table's per-tensor parts, in order, each n_tensors int64s; then (tensor, first element) per program.
@@ -57,6 +57,24 @@ def _store(ptr, offsets, x, mask, DTYPE: tl.constexpr):
         tl.store(ptr + offsets, y)
     else:
         tl.store(ptr + offsets, y, mask=mask)
+
+
+@triton.jit
+def _store_param(ptr, offsets, x, mask, DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr, seed, tensor):
+    """Store the parameter x as `_store` does, or, for bf16 with STOCHASTIC, rounded stochastically (elementwise
+    `to_bf16_stochastic`), its random bits Philox's of (seed; element, tensor): each element and tensor of a launch
+    draws its own, each launch a new seed."""
+    if STOCHASTIC:
+        lo = offsets.to(tl.uint32)  # the element's index, low and high words
+        hi = (offsets >> 32).to(tl.uint32)
+        random, _, _, _ = tl.philox(seed, lo, hi, tl.zeros_like(lo) + tensor.to(tl.uint32), tl.zeros_like(lo))
+        y = to_bf16_stochastic(x, random & 0xFFFF)
+        if mask is None:
+            tl.store(ptr + offsets, y)
+        else:
+            tl.store(ptr + offsets, y, mask=mask)
+    else:
+        _store(ptr, offsets, x, mask, DTYPE)
 
 
 @triton.jit
@@ -120,7 +138,7 @@ def _span(table_ptr, n_tensors, part, tensor, DTYPE: tl.constexpr, ALIGNED: tl.c
 @triton.jit
 def adamw_kernel(
     table_ptr,  # *int64: the table (module docstring)
-    hyper_ptr,  # *fp64 [5]: lr, beta1, beta2, eps, weight_decay
+    hyper_ptr,  # *fp64 [5 or 6]: lr, beta1, beta2, eps, weight_decay (, the stochastic rounding's seed)
     grad_scale_ptr,  # *fp32 0-dim: every gradient is divided by it (read when GRAD_SCALE)
     found_inf_ptr,  # *fp32 0-dim: non-zero: no tensor is stepped (the step counts are put back by the caller)
     n_tensors,  # tensors in the table
@@ -128,6 +146,7 @@ def adamw_kernel(
     AMSGRAD: tl.constexpr,  # keep the largest exp_avg_sq (state3) and divide by it
     MAXIMIZE: tl.constexpr,  # step along the gradient
     GRAD_SCALE: tl.constexpr,  # divide each gradient by *grad_scale_ptr
+    STOCHASTIC: tl.constexpr,  # round the bf16 parameters stochastically (seed: the last hyper-parameter)
     ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes (a vectorisation hint; true whenever set)
     CHUNK: tl.constexpr,  # elements per program, a multiple of BLOCK
     BLOCK: tl.constexpr,  # elements per loop iteration, a power of two
@@ -143,6 +162,9 @@ def adamw_kernel(
     step = tl.load(tl.load(table_ptr + 5 * n_tensors + tensor).to(tl.pointer_type(tl.float32))).to(tl.float64)
     lr, beta1, beta2 = tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2)
     eps, weight_decay = tl.load(hyper_ptr + 3), tl.load(hyper_ptr + 4)
+    seed = 0
+    if STOCHASTIC:
+        seed = tl.load(hyper_ptr + 5).to(tl.int64)
     # as torch's fused AdamW: the bias corrections in fp64 with pow (1 - beta2**step near 0 magnifies pow's rounding
     # by 1 / (1 - beta2**step): computed otherwise, it would differ from torch's by far more than an ulp), then every
     # factor in the math type
@@ -159,23 +181,24 @@ def adamw_kernel(
         if start + BLOCK <= end:  # a full block: no mask
             _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, None, grad_scale,
                          decay, b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE, MATH,
-                         AMSGRAD, MAXIMIZE, GRAD_SCALE)
+                         AMSGRAD, MAXIMIZE, GRAD_SCALE, seed, tensor, STOCHASTIC)
         else:
             _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, offsets < end,
                          grad_scale, decay, b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt,
-                         DTYPE, MATH, AMSGRAD, MAXIMIZE, GRAD_SCALE)
+                         DTYPE, MATH, AMSGRAD, MAXIMIZE, GRAD_SCALE, seed, tensor, STOCHASTIC)
 
 
 @triton.jit
 def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, mask, grad_scale, decay,
                  b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE: tl.constexpr,
-                 MATH: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_SCALE: tl.constexpr):
+                 MATH: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_SCALE: tl.constexpr, seed,
+                 tensor, STOCHASTIC: tl.constexpr):
     """AdamW on the elements `offsets` (within `mask`; None: all) of one tensor, the factors in MATH."""
     grad = _load_grad(grad_ptr, offsets, mask, grad_scale, DTYPE, MATH, GRAD_SCALE)
     if MAXIMIZE:
         grad = -grad
     param = _load(param_ptr, offsets, mask, DTYPE, MATH)
-    param = param - decay * param
+    param = tl.where(decay != 0, param - decay * param, param)  # as torch: no decay term at 0 (an Inf stays Inf)
     exp_avg = b1 * _load(exp_avg_ptr, offsets, mask, DTYPE, MATH) + one_minus_b1 * grad
     exp_avg_sq = b2 * _load(exp_avg_sq_ptr, offsets, mask, DTYPE, MATH) + one_minus_b2 * grad * grad
     if AMSGRAD:
@@ -186,13 +209,14 @@ def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, o
         denom = _div(_sqrt(exp_avg_sq, MATH), bias_correction2_sqrt, MATH) + eps
     _store(exp_avg_ptr, offsets, exp_avg, mask, DTYPE)
     _store(exp_avg_sq_ptr, offsets, exp_avg_sq, mask, DTYPE)
-    _store(param_ptr, offsets, param - _div(step_size * exp_avg, denom, MATH), mask, DTYPE)
+    _store_param(param_ptr, offsets, param - _div(step_size * exp_avg, denom, MATH), mask, DTYPE, STOCHASTIC, seed,
+                 tensor)
 
 
 @triton.jit
 def sgd_kernel(
     table_ptr,  # *int64: the table (module docstring)
-    hyper_ptr,  # *fp64 [4]: lr, momentum, dampening, weight_decay
+    hyper_ptr,  # *fp64 [4 or 5]: lr, momentum, dampening, weight_decay (, the stochastic rounding's seed)
     grad_scale_ptr,  # *fp32 0-dim: every gradient is divided by it (read when GRAD_SCALE)
     found_inf_ptr,  # *fp32 0-dim: non-zero: no tensor is stepped
     n_tensors,  # tensors in the table
@@ -201,6 +225,7 @@ def sgd_kernel(
     NESTEROV: tl.constexpr,  # Nesterov momentum
     MAXIMIZE: tl.constexpr,  # step along the gradient
     GRAD_SCALE: tl.constexpr,  # divide each gradient by *grad_scale_ptr
+    STOCHASTIC: tl.constexpr,  # round the bf16 parameters stochastically (seed: the last hyper-parameter)
     ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes (a vectorisation hint; true whenever set)
     CHUNK: tl.constexpr,  # elements per program, a multiple of BLOCK
     BLOCK: tl.constexpr,  # elements per loop iteration, a power of two
@@ -215,28 +240,33 @@ def sgd_kernel(
     lr, momentum = tl.load(hyper_ptr).to(MATH), tl.load(hyper_ptr + 1).to(MATH)
     one_minus_dampening = (1.0 - tl.load(hyper_ptr + 2)).to(MATH)
     weight_decay = tl.load(hyper_ptr + 3).to(MATH)
+    seed = 0
+    if STOCHASTIC:
+        seed = tl.load(hyper_ptr + 4).to(tl.int64)
     for i in range(0, tl.cdiv(end - first, BLOCK)):  # a runtime bound: a short tensor's program stops early
         start = first + i * BLOCK  # i * BLOCK keeps the divisibility hint of `first`
         offsets = start + tl.arange(0, BLOCK)
         if start + BLOCK <= end:  # a full block: no mask
             _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, None, grad_scale, lr, momentum, one_minus_dampening,
-                       weight_decay, first_step, DTYPE, MATH, MOMENTUM, NESTEROV, MAXIMIZE, GRAD_SCALE)
+                       weight_decay, first_step, DTYPE, MATH, MOMENTUM, NESTEROV, MAXIMIZE, GRAD_SCALE, seed,
+                       tensor, STOCHASTIC)
         else:
             _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, offsets < end, grad_scale, lr, momentum,
                        one_minus_dampening, weight_decay, first_step, DTYPE, MATH, MOMENTUM, NESTEROV, MAXIMIZE,
-                       GRAD_SCALE)
+                       GRAD_SCALE, seed, tensor, STOCHASTIC)
 
 
 @triton.jit
 def _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, mask, grad_scale, lr, momentum, one_minus_dampening,
                weight_decay, first_step, DTYPE: tl.constexpr, MATH: tl.constexpr, MOMENTUM: tl.constexpr,
-               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_SCALE: tl.constexpr):
+               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_SCALE: tl.constexpr, seed, tensor,
+               STOCHASTIC: tl.constexpr):
     """SGD on the elements `offsets` (within `mask`; None: all) of one tensor, the factors in MATH."""
     grad = _load_grad(grad_ptr, offsets, mask, grad_scale, DTYPE, MATH, GRAD_SCALE)
     if MAXIMIZE:
         grad = -grad
     param = _load(param_ptr, offsets, mask, DTYPE, MATH)
-    grad = grad + weight_decay * param
+    grad = tl.where(weight_decay != 0, grad + weight_decay * param, grad)  # as torch: no term at 0 (Inf params)
     if MOMENTUM:
         if first_step != 0:
             buf = grad
@@ -247,7 +277,7 @@ def _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, mask, grad_scale, lr, mome
             grad = grad + momentum * buf
         else:
             grad = buf
-    _store(param_ptr, offsets, param - lr * grad, mask, DTYPE)
+    _store_param(param_ptr, offsets, param - lr * grad, mask, DTYPE, STOCHASTIC, seed, tensor)
 
 
 @dataclass
@@ -294,6 +324,13 @@ def build_table(parts: dict[str, list[int]], device: torch.device, element_size:
                       all(a % 16 == 0 for a in addresses), kept)
 
 
+def _stochastic(stochastic: bool, dtype: torch.dtype) -> bool:
+    """STOCHASTIC of a launch: asked for, of bf16 tensors (stochastic rounding of other dtypes is refused)."""
+    if stochastic and dtype != torch.bfloat16:
+        raise ValueError(f"stochastic rounding rounds bfloat16 parameters, not {dtype}")
+    return stochastic
+
+
 def _options(table: OptimTable) -> dict:
     options = {"enable_fp_fusion": False}  # torch's fused kernels round each operation
     if table.table.device.type == "cuda":
@@ -302,23 +339,25 @@ def _options(table: OptimTable) -> dict:
 
 
 def adamw_(table: OptimTable, hyper: torch.Tensor, grad_scale: torch.Tensor | None, found_inf: torch.Tensor,
-           dtype: torch.dtype, amsgrad: bool, maximize: bool, launch) -> None:
+           dtype: torch.dtype, amsgrad: bool, maximize: bool, launch, stochastic: bool = False) -> None:
     """One AdamW step of the tensors of `table` (dtype `dtype`), their step counts already incremented; hyper: fp64
-    [5] (lr, beta1, beta2, eps, weight_decay); grad_scale (None: 1), found_inf: float32 0-dim on the table's device;
-    launch(kernel, grid, args, meta)."""
+    [5] (lr, beta1, beta2, eps, weight_decay; with `stochastic` (bf16 only) a 6th, the rounding's seed, an integer
+    below 2**53); grad_scale (None: 1), found_inf: float32 0-dim on the table's device; launch(kernel, grid, args,
+    meta)."""
     meta = dict(DTYPE=TL_DTYPES[dtype], AMSGRAD=amsgrad, MAXIMIZE=maximize, GRAD_SCALE=grad_scale is not None,
-                ALIGNED=table.aligned, CHUNK=table.chunk, BLOCK=table.block, **_options(table))
+                STOCHASTIC=_stochastic(stochastic, dtype), ALIGNED=table.aligned, CHUNK=table.chunk,
+                BLOCK=table.block, **_options(table))
     args = (table.table, hyper, found_inf if grad_scale is None else grad_scale, found_inf, table.n_tensors)
     launch(adamw_kernel, (table.n_programs,), args, meta)
 
 
 def sgd_(table: OptimTable, hyper: torch.Tensor, grad_scale: torch.Tensor | None, found_inf: torch.Tensor,
-         dtype: torch.dtype, momentum: bool, nesterov: bool, maximize: bool, launch) -> None:
+         dtype: torch.dtype, momentum: bool, nesterov: bool, maximize: bool, launch, stochastic: bool = False) -> None:
     """One SGD step of the tensors of `table` (dtype `dtype`); hyper: fp64 [4] (lr, momentum, dampening,
-    weight_decay); grad_scale (None: 1), found_inf: float32 0-dim on the table's device; launch(kernel, grid, args,
-    meta)."""
+    weight_decay; with `stochastic` (bf16 only) a 5th, the rounding's seed); grad_scale (None: 1), found_inf: float32
+    0-dim on the table's device; launch(kernel, grid, args, meta)."""
     meta = dict(DTYPE=TL_DTYPES[dtype], MOMENTUM=momentum, NESTEROV=nesterov, MAXIMIZE=maximize,
-                GRAD_SCALE=grad_scale is not None, ALIGNED=table.aligned, CHUNK=table.chunk, BLOCK=table.block,
-                **_options(table))
+                GRAD_SCALE=grad_scale is not None, STOCHASTIC=_stochastic(stochastic, dtype), ALIGNED=table.aligned,
+                CHUNK=table.chunk, BLOCK=table.block, **_options(table))
     args = (table.table, hyper, found_inf if grad_scale is None else grad_scale, found_inf, table.n_tensors)
     launch(sgd_kernel, (table.n_programs,), args, meta)

@@ -7,7 +7,9 @@ a group on one device with one dtype (fp32, bf16, fp16, fp64), one launch (`kern
 parameter and state once and writes the parameter and its states once, computing as torch's fused optimizers do (in
 fp32 for 16-bit and fp32 tensors, rounded once per stored value). The learning rate, betas, eps, weight decay and
 the step counts are read on the device at each launch: a schedule compiles nothing new. A step keeps `step` of
-each parameter as a float32 tensor on the parameter's device, as torch's fused optimizers do.
+each parameter as a float32 tensor on the parameter's device, as torch's fused optimizers do. With
+`stochastic_rounding=True` (off by default) the bf16 parameters' stores are rounded stochastically, seeded by `seed=`
+(docs/optimizers.md).
 
 Like torch's fused optimizers they read `grad_scale` and `found_inf` (float32 0-dim tensors) when set as attributes
 (`_step_supports_amp_scaling`): `scaler.step(opt)` sets them (AMP's scale and whether a gradient overflowed), and
@@ -110,6 +112,33 @@ class _KernelSteps:
         if table is None or table.key != kernels.table_key(parts):
             table = tables[key] = kernels.build_table(parts, device, key[2].itemsize)
         return table
+
+    def _init_rounding(self, stochastic_rounding: bool, seed: int) -> None:
+        """Stochastic rounding of the bf16 parameters' stores (off by default): each launch draws its random bits
+        from Philox keyed by (seed, launches so far) (`kernels.optim._store_param`)."""
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**31:
+            raise ValueError(f"seed= takes an integer in [0, 2**31), not {seed!r}")
+        if stochastic_rounding and any(p.dtype == torch.float16 for g in self.param_groups for p in g["params"]):
+            raise ValueError("stochastic_rounding=True rounds bfloat16 parameters (as torchao's "
+                             "bf16_stochastic_round); float16 ones are rounded to nearest only: leave it off for "
+                             "float16 parameters")
+        self.stochastic_rounding, self.seed = bool(stochastic_rounding), seed
+        self._fh_launches = 0
+
+    def _rounding(self, dtype: torch.dtype) -> tuple[bool, list[int]]:
+        """(round this launch's `dtype` parameters stochastically, the hyper-parameters that adds: its seed)."""
+        if not (self.stochastic_rounding and dtype in (torch.bfloat16, torch.float16)):
+            return False, []
+        self._fh_launches += 1
+        return True, [(self.seed * 1_000_003 + self._fh_launches) % 2**53]
+
+    def _check_rounding(self, params: list[torch.Tensor]) -> None:
+        """Refuse torch's single-tensor step (which rounds to nearest) of bf16 parameters to be rounded
+        stochastically."""
+        if self.stochastic_rounding and any(p.dtype == torch.bfloat16 for p in params):
+            raise RuntimeError("stochastic_rounding=True: the bfloat16 parameters torch's single-tensor step would "
+                               "take (not contiguous, or on CPU without TRITON_INTERPRET=1) would be rounded to "
+                               "nearest: make them contiguous, or leave stochastic_rounding off")
 
     def _found_inf(self, scaling: _Scaling, device: torch.device) -> torch.Tensor:
         """The found_inf the kernels read on `device`: the step's, or a kept 0.0."""
@@ -220,9 +249,11 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
     taken: the step is fusedhooks'."""
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 stochastic_rounding: bool = False, seed: int = 0):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize)
+        self._init_rounding(stochastic_rounding, seed)
 
     def _step_group(self, index: int, group: dict, scaling: _Scaling, params: list, tag) -> None:
         """Step `params` (of group `index`, each with a gradient); `tag`: which launch tables they keep ("group",
@@ -261,13 +292,15 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
                      "step": [self.state[p]["step"].data_ptr() for p in live],
                      "numel": [p.numel() for p in live], "first_step": [0] * len(live)}
             table = self._table((index, device, dtype, tag), parts, device)
-            hyper = _hyper([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]], device)
+            stochastic, seed = self._rounding(dtype)
+            hyper = _hyper([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]] + seed, device)
             found_inf = self._found_inf(scaling, device)
             adamw_(table, hyper, scaling.on("grad_scale", device), found_inf, dtype, amsgrad, group["maximize"],
-                   launcher.launch)
+                   launcher.launch, stochastic)
             if scaling.found_inf is not None:  # as torch's fused step: a skipped step does not count
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
         if torch_steps and not scaling.skipped_on_host():
+            self._check_rounding(torch_steps)
             states = [self.state[p] for p in torch_steps]
             torch_adam(
                 torch_steps, scaling.divided([p.grad for p in torch_steps]), [s["exp_avg"] for s in states],
@@ -283,9 +316,11 @@ class SGD(_KernelSteps, torch.optim.SGD):
     and dtype of each group (see the module docstring). `foreach`, `differentiable` and `fused` are not taken."""
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False):
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 stochastic_rounding: bool = False, seed: int = 0):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, maximize=maximize)
+        self._init_rounding(stochastic_rounding, seed)
 
     def _step_group(self, index: int, group: dict, scaling: _Scaling, params: list, tag) -> None:
         """Step `params` (of group `index`, each with a gradient); `tag`: which launch tables they keep ("group",
@@ -320,10 +355,12 @@ class SGD(_KernelSteps, torch.optim.SGD):
                      "state2": [0] * len(live), "state3": [0] * len(live), "step": [0] * len(live),
                      "numel": [p.numel() for p in live], "first_step": first}
             table = self._table((index, device, dtype, tag), parts, device)
-            hyper = _hyper([group["lr"], momentum, group["dampening"], group["weight_decay"]], device)
+            stochastic, seed = self._rounding(dtype)
+            hyper = _hyper([group["lr"], momentum, group["dampening"], group["weight_decay"]] + seed, device)
             sgd_(table, hyper, scaling.on("grad_scale", device), self._found_inf(scaling, device), dtype,
-                 momentum != 0, group["nesterov"], group["maximize"], launcher.launch)
+                 momentum != 0, group["nesterov"], group["maximize"], launcher.launch, stochastic)
         if torch_steps and not scaling.skipped_on_host():
+            self._check_rounding(torch_steps)
             bufs = [self.state[p].get("momentum_buffer") for p in torch_steps]
             torch_sgd(torch_steps, scaling.divided([p.grad for p in torch_steps]), bufs, foreach=False, fused=False,
                                 weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],

@@ -487,3 +487,20 @@ def test_bad_hyper_parameters_and_sparse_gradients_are_refused():
         fh.AdamW([p]).step()
     with pytest.raises(RuntimeError, match="sparse"):
         fh.SGD([p], lr=0.1).step()
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_no_weight_decay_term_at_zero_weight_decay(name):
+    """weight_decay=0 adds no term, as torch's steps: an Inf parameter with a zero gradient stays Inf (0 * Inf would
+    make it NaN), a NaN gradient makes NaN; the same values as torch's fused step."""
+    values = torch.tensor([math.inf, -math.inf, 1.0, 2.0])
+    grads = torch.tensor([0.0, 0.0, math.nan, 0.5])
+    make = {"adamw": (lambda ps: fh.AdamW(ps, lr=0.1, weight_decay=0.0),
+                      lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.0, fused=True)),
+            "sgd": (lambda ps: fh.SGD(ps, lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1, fused=True))}[name]
+    ours, theirs = torch.nn.Parameter(values.clone()), torch.nn.Parameter(values.clone())
+    ours.grad, theirs.grad = grads.clone(), grads.clone()
+    make[0]([ours]).step()
+    make[1]([theirs]).step()
+    assert torch.equal(ours.isnan(), theirs.isnan()) and ours[:2].isinf().all()
+    torch.testing.assert_close(ours, theirs, equal_nan=True)
