@@ -6,8 +6,9 @@ rounded to nearest even once), in fp64 for fp64 tensors; the bias corrections in
 How a launch finds its tensors: a table (int64, on the tensors' device) of the parts TABLE_PARTS, each n_tensors long
 (addresses of the parameter, its gradient, its first state (exp_avg, or SGD's momentum buffer), its second state
 (exp_avg_sq), amsgrad's max_exp_avg_sq, its step count (a float32 0-dim tensor, torch's `state["step"]`; AdamW), the
-numel, and SGD's first-step flag: the momentum buffer starts as the gradient), then (tensor, first element) per
-program, as `multi_tensor`'s table. The tensors are contiguous (each one span of storage, the same layout).
+numel, SGD's first-step flag: the momentum buffer starts as the gradient, and the parameter's fp32 master copy, or 0),
+then (tensor, first element) per program, as `multi_tensor`'s table. The tensors are contiguous (each one span of
+storage, the same layout).
 
 What changes between steps is read on the device, so a learning-rate schedule compiles nothing new: the
 hyper-parameters (`hyper_ptr`, fp64: AdamW lr, beta1, beta2, eps, weight_decay; SGD lr, momentum, dampening,
@@ -28,7 +29,7 @@ from .elementwise import bf16_to_fp32, to_bf16, to_bf16_stochastic
 from .multi_tensor import TL_DTYPES, launch_config
 
 #: The table's per-tensor parts, in order, each n_tensors int64s; then (tensor, first element) per program.
-TABLE_PARTS = ("param", "grad", "state1", "state2", "state3", "step", "numel", "first_step")
+TABLE_PARTS = ("param", "grad", "state1", "state2", "state3", "step", "numel", "first_step", "master")
 
 
 @triton.jit
@@ -78,6 +79,24 @@ def _store_param(ptr, offsets, x, mask, DTYPE: tl.constexpr, STOCHASTIC: tl.cons
 
 
 @triton.jit
+def _load_param(param_ptr, master_ptr, offsets, mask, DTYPE: tl.constexpr, MATH: tl.constexpr, MASTER: tl.constexpr):
+    """The parameter's elements in MATH: its fp32 master copy's with MASTER, else its own."""
+    if MASTER:
+        return _load(master_ptr, offsets, mask, tl.float32, MATH)
+    else:
+        return _load(param_ptr, offsets, mask, DTYPE, MATH)
+
+
+@triton.jit
+def _store_params(param_ptr, master_ptr, offsets, x, mask, DTYPE: tl.constexpr, MASTER: tl.constexpr,
+                  STOCHASTIC: tl.constexpr, seed, tensor):
+    """Store the new parameter x: into the fp32 master copy with MASTER, and into the parameter (`_store_param`)."""
+    if MASTER:
+        _store(master_ptr, offsets, x, mask, tl.float32)
+    _store_param(param_ptr, offsets, x, mask, DTYPE, STOCHASTIC, seed, tensor)
+
+
+@triton.jit
 def _div(x, y, MATH: tl.constexpr):
     """x / y correctly rounded, as torch's CUDA kernels divide (fp32 `/` is approximate on a GPU)."""
     if MATH == tl.float32:
@@ -120,8 +139,8 @@ def _program(table_ptr, n_tensors, found_inf_ptr, CHUNK: tl.constexpr, BLOCK: tl
     """(tensor, first element, end) of this program's chunk of its tensor, from the table; an empty chunk (end ==
     first) when found_inf is non-zero: no element is stepped."""
     pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(table_ptr + 8 * n_tensors + 2 * pid)
-    first = tl.multiple_of(tl.load(table_ptr + 8 * n_tensors + 2 * pid + 1), BLOCK)
+    tensor = tl.load(table_ptr + 9 * n_tensors + 2 * pid)  # after the 9 parts of TABLE_PARTS
+    first = tl.multiple_of(tl.load(table_ptr + 9 * n_tensors + 2 * pid + 1), BLOCK)
     end = tl.minimum(first + CHUNK, tl.load(table_ptr + 6 * n_tensors + tensor))
     return tensor, first, tl.where(tl.load(found_inf_ptr) != 0, first, end)
 
@@ -147,18 +166,21 @@ def adamw_kernel(
     MAXIMIZE: tl.constexpr,  # step along the gradient
     GRAD_SCALE: tl.constexpr,  # divide each gradient by *grad_scale_ptr
     STOCHASTIC: tl.constexpr,  # round the bf16 parameters stochastically (seed: the last hyper-parameter)
+    MASTER: tl.constexpr,  # 16-bit parameters with fp32 master copies (part "master") and fp32 states
     ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes (a vectorisation hint; true whenever set)
     CHUNK: tl.constexpr,  # elements per program, a multiple of BLOCK
     BLOCK: tl.constexpr,  # elements per loop iteration, a power of two
 ):
     tensor, first, end = _program(table_ptr, n_tensors, found_inf_ptr, CHUNK, BLOCK)
     MATH: tl.constexpr = tl.float64 if DTYPE == tl.float64 else tl.float32
+    STATE: tl.constexpr = tl.float32 if MASTER else DTYPE
     grad_scale = _grad_scale(grad_scale_ptr, GRAD_SCALE, MATH)
     param_ptr = _span(table_ptr, n_tensors, 0, tensor, DTYPE, ALIGNED)
     grad_ptr = _span(table_ptr, n_tensors, 1, tensor, DTYPE, ALIGNED)
-    exp_avg_ptr = _span(table_ptr, n_tensors, 2, tensor, DTYPE, ALIGNED)
-    exp_avg_sq_ptr = _span(table_ptr, n_tensors, 3, tensor, DTYPE, ALIGNED)
-    max_sq_ptr = _span(table_ptr, n_tensors, 4, tensor, DTYPE, ALIGNED)
+    exp_avg_ptr = _span(table_ptr, n_tensors, 2, tensor, STATE, ALIGNED)
+    exp_avg_sq_ptr = _span(table_ptr, n_tensors, 3, tensor, STATE, ALIGNED)
+    max_sq_ptr = _span(table_ptr, n_tensors, 4, tensor, STATE, ALIGNED)
+    master_ptr = _span(table_ptr, n_tensors, 8, tensor, tl.float32, ALIGNED)
     step = tl.load(tl.load(table_ptr + 5 * n_tensors + tensor).to(tl.pointer_type(tl.float32))).to(tl.float64)
     lr, beta1, beta2 = tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2)
     eps, weight_decay = tl.load(hyper_ptr + 3), tl.load(hyper_ptr + 4)
@@ -179,38 +201,40 @@ def adamw_kernel(
         start = first + i * BLOCK  # i * BLOCK keeps the divisibility hint of `first`
         offsets = start + tl.arange(0, BLOCK)
         if start + BLOCK <= end:  # a full block: no mask
-            _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, None, grad_scale,
-                         decay, b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE, MATH,
-                         AMSGRAD, MAXIMIZE, GRAD_SCALE, seed, tensor, STOCHASTIC)
-        else:
-            _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, offsets < end,
+            _adamw_block(param_ptr, master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, None,
                          grad_scale, decay, b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt,
-                         DTYPE, MATH, AMSGRAD, MAXIMIZE, GRAD_SCALE, seed, tensor, STOCHASTIC)
+                         DTYPE, STATE, MATH, AMSGRAD, MAXIMIZE, GRAD_SCALE, seed, tensor, STOCHASTIC, MASTER)
+        else:
+            _adamw_block(param_ptr, master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets,
+                         offsets < end, grad_scale, decay, b1, b2, one_minus_b1, one_minus_b2, eps, step_size,
+                         bias_correction2_sqrt, DTYPE, STATE, MATH, AMSGRAD, MAXIMIZE, GRAD_SCALE, seed, tensor,
+                         STOCHASTIC, MASTER)
 
 
 @triton.jit
-def _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, mask, grad_scale, decay,
-                 b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE: tl.constexpr,
-                 MATH: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_SCALE: tl.constexpr, seed,
-                 tensor, STOCHASTIC: tl.constexpr):
-    """AdamW on the elements `offsets` (within `mask`; None: all) of one tensor, the factors in MATH."""
+def _adamw_block(param_ptr, master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, offsets, mask, grad_scale,
+                 decay, b1, b2, one_minus_b1, one_minus_b2, eps, step_size, bias_correction2_sqrt, DTYPE: tl.constexpr,
+                 STATE: tl.constexpr, MATH: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 GRAD_SCALE: tl.constexpr, seed, tensor, STOCHASTIC: tl.constexpr, MASTER: tl.constexpr):
+    """AdamW on the elements `offsets` (within `mask`; None: all) of one tensor, the factors in MATH; the states of
+    dtype STATE."""
     grad = _load_grad(grad_ptr, offsets, mask, grad_scale, DTYPE, MATH, GRAD_SCALE)
     if MAXIMIZE:
         grad = -grad
-    param = _load(param_ptr, offsets, mask, DTYPE, MATH)
+    param = _load_param(param_ptr, master_ptr, offsets, mask, DTYPE, MATH, MASTER)
     param = tl.where(decay != 0, param - decay * param, param)  # as torch: no decay term at 0 (an Inf stays Inf)
-    exp_avg = b1 * _load(exp_avg_ptr, offsets, mask, DTYPE, MATH) + one_minus_b1 * grad
-    exp_avg_sq = b2 * _load(exp_avg_sq_ptr, offsets, mask, DTYPE, MATH) + one_minus_b2 * grad * grad
+    exp_avg = b1 * _load(exp_avg_ptr, offsets, mask, STATE, MATH) + one_minus_b1 * grad
+    exp_avg_sq = b2 * _load(exp_avg_sq_ptr, offsets, mask, STATE, MATH) + one_minus_b2 * grad * grad
     if AMSGRAD:
-        max_sq = tl.maximum(_load(max_sq_ptr, offsets, mask, DTYPE, MATH), exp_avg_sq)
-        _store(max_sq_ptr, offsets, max_sq, mask, DTYPE)
+        max_sq = tl.maximum(_load(max_sq_ptr, offsets, mask, STATE, MATH), exp_avg_sq)
+        _store(max_sq_ptr, offsets, max_sq, mask, STATE)
         denom = _div(_sqrt(max_sq, MATH), bias_correction2_sqrt, MATH) + eps
     else:
         denom = _div(_sqrt(exp_avg_sq, MATH), bias_correction2_sqrt, MATH) + eps
-    _store(exp_avg_ptr, offsets, exp_avg, mask, DTYPE)
-    _store(exp_avg_sq_ptr, offsets, exp_avg_sq, mask, DTYPE)
-    _store_param(param_ptr, offsets, param - _div(step_size * exp_avg, denom, MATH), mask, DTYPE, STOCHASTIC, seed,
-                 tensor)
+    _store(exp_avg_ptr, offsets, exp_avg, mask, STATE)
+    _store(exp_avg_sq_ptr, offsets, exp_avg_sq, mask, STATE)
+    _store_params(param_ptr, master_ptr, offsets, param - _div(step_size * exp_avg, denom, MATH), mask, DTYPE, MASTER,
+                  STOCHASTIC, seed, tensor)
 
 
 @triton.jit
@@ -226,16 +250,19 @@ def sgd_kernel(
     MAXIMIZE: tl.constexpr,  # step along the gradient
     GRAD_SCALE: tl.constexpr,  # divide each gradient by *grad_scale_ptr
     STOCHASTIC: tl.constexpr,  # round the bf16 parameters stochastically (seed: the last hyper-parameter)
+    MASTER: tl.constexpr,  # 16-bit parameters with fp32 master copies (part "master") and fp32 states
     ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes (a vectorisation hint; true whenever set)
     CHUNK: tl.constexpr,  # elements per program, a multiple of BLOCK
     BLOCK: tl.constexpr,  # elements per loop iteration, a power of two
 ):
     MATH: tl.constexpr = tl.float64 if DTYPE == tl.float64 else tl.float32
+    STATE: tl.constexpr = tl.float32 if MASTER else DTYPE
     tensor, first, end = _program(table_ptr, n_tensors, found_inf_ptr, CHUNK, BLOCK)
     first_step = tl.load(table_ptr + 7 * n_tensors + tensor)
     param_ptr = _span(table_ptr, n_tensors, 0, tensor, DTYPE, ALIGNED)
     grad_ptr = _span(table_ptr, n_tensors, 1, tensor, DTYPE, ALIGNED)
-    buf_ptr = _span(table_ptr, n_tensors, 2, tensor, DTYPE, ALIGNED)
+    buf_ptr = _span(table_ptr, n_tensors, 2, tensor, STATE, ALIGNED)
+    master_ptr = _span(table_ptr, n_tensors, 8, tensor, tl.float32, ALIGNED)
     grad_scale = _grad_scale(grad_scale_ptr, GRAD_SCALE, MATH)
     lr, momentum = tl.load(hyper_ptr).to(MATH), tl.load(hyper_ptr + 1).to(MATH)
     one_minus_dampening = (1.0 - tl.load(hyper_ptr + 2)).to(MATH)
@@ -247,37 +274,38 @@ def sgd_kernel(
         start = first + i * BLOCK  # i * BLOCK keeps the divisibility hint of `first`
         offsets = start + tl.arange(0, BLOCK)
         if start + BLOCK <= end:  # a full block: no mask
-            _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, None, grad_scale, lr, momentum, one_minus_dampening,
-                       weight_decay, first_step, DTYPE, MATH, MOMENTUM, NESTEROV, MAXIMIZE, GRAD_SCALE, seed,
-                       tensor, STOCHASTIC)
+            _sgd_block(param_ptr, master_ptr, grad_ptr, buf_ptr, offsets, None, grad_scale, lr, momentum,
+                       one_minus_dampening, weight_decay, first_step, DTYPE, STATE, MATH, MOMENTUM, NESTEROV, MAXIMIZE,
+                       GRAD_SCALE, seed, tensor, STOCHASTIC, MASTER)
         else:
-            _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, offsets < end, grad_scale, lr, momentum,
-                       one_minus_dampening, weight_decay, first_step, DTYPE, MATH, MOMENTUM, NESTEROV, MAXIMIZE,
-                       GRAD_SCALE, seed, tensor, STOCHASTIC)
+            _sgd_block(param_ptr, master_ptr, grad_ptr, buf_ptr, offsets, offsets < end, grad_scale, lr, momentum,
+                       one_minus_dampening, weight_decay, first_step, DTYPE, STATE, MATH, MOMENTUM, NESTEROV, MAXIMIZE,
+                       GRAD_SCALE, seed, tensor, STOCHASTIC, MASTER)
 
 
 @triton.jit
-def _sgd_block(param_ptr, grad_ptr, buf_ptr, offsets, mask, grad_scale, lr, momentum, one_minus_dampening,
-               weight_decay, first_step, DTYPE: tl.constexpr, MATH: tl.constexpr, MOMENTUM: tl.constexpr,
-               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_SCALE: tl.constexpr, seed, tensor,
-               STOCHASTIC: tl.constexpr):
-    """SGD on the elements `offsets` (within `mask`; None: all) of one tensor, the factors in MATH."""
+def _sgd_block(param_ptr, master_ptr, grad_ptr, buf_ptr, offsets, mask, grad_scale, lr, momentum,
+               one_minus_dampening, weight_decay, first_step, DTYPE: tl.constexpr, STATE: tl.constexpr,
+               MATH: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+               GRAD_SCALE: tl.constexpr, seed, tensor, STOCHASTIC: tl.constexpr, MASTER: tl.constexpr):
+    """SGD on the elements `offsets` (within `mask`; None: all) of one tensor, the factors in MATH; the momentum
+    buffer of dtype STATE."""
     grad = _load_grad(grad_ptr, offsets, mask, grad_scale, DTYPE, MATH, GRAD_SCALE)
     if MAXIMIZE:
         grad = -grad
-    param = _load(param_ptr, offsets, mask, DTYPE, MATH)
+    param = _load_param(param_ptr, master_ptr, offsets, mask, DTYPE, MATH, MASTER)
     grad = tl.where(weight_decay != 0, grad + weight_decay * param, grad)  # as torch: no term at 0 (Inf params)
     if MOMENTUM:
         if first_step != 0:
             buf = grad
         else:
-            buf = momentum * _load(buf_ptr, offsets, mask, DTYPE, MATH) + one_minus_dampening * grad
-        _store(buf_ptr, offsets, buf, mask, DTYPE)
+            buf = momentum * _load(buf_ptr, offsets, mask, STATE, MATH) + one_minus_dampening * grad
+        _store(buf_ptr, offsets, buf, mask, STATE)
         if NESTEROV:
             grad = grad + momentum * buf
         else:
             grad = buf
-    _store_param(param_ptr, offsets, param - lr * grad, mask, DTYPE, STOCHASTIC, seed, tensor)
+    _store_params(param_ptr, master_ptr, offsets, param - lr * grad, mask, DTYPE, MASTER, STOCHASTIC, seed, tensor)
 
 
 @dataclass
@@ -319,7 +347,7 @@ def build_table(parts: dict[str, list[int]], device: torch.device, element_size:
     if device.type == "cuda":
         kept = host.pin_memory()
         table = kept.to(device, non_blocking=True)
-    addresses = [a for name in TABLE_PARTS[:5] for a in parts[name] if a]
+    addresses = [a for name in TABLE_PARTS[:5] + ("master",) for a in parts[name] if a]
     return OptimTable(table, table_key(parts), len(numels), len(programs) // 2, block, chunk,
                       all(a % 16 == 0 for a in addresses), kept)
 
@@ -331,6 +359,13 @@ def _stochastic(stochastic: bool, dtype: torch.dtype) -> bool:
     return stochastic
 
 
+def _master(master: bool, dtype: torch.dtype) -> bool:
+    """MASTER of a launch: asked for, of 16-bit tensors (fp32 and fp64 parameters are their own masters)."""
+    if master and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"fp32 master weights are kept for 16-bit parameters, not {dtype}")
+    return master
+
+
 def _options(table: OptimTable) -> dict:
     options = {"enable_fp_fusion": False}  # torch's fused kernels round each operation
     if table.table.device.type == "cuda":
@@ -339,25 +374,28 @@ def _options(table: OptimTable) -> dict:
 
 
 def adamw_(table: OptimTable, hyper: torch.Tensor, grad_scale: torch.Tensor | None, found_inf: torch.Tensor,
-           dtype: torch.dtype, amsgrad: bool, maximize: bool, launch, stochastic: bool = False) -> None:
+           dtype: torch.dtype, amsgrad: bool, maximize: bool, launch, stochastic: bool = False,
+           master: bool = False) -> None:
     """One AdamW step of the tensors of `table` (dtype `dtype`), their step counts already incremented; hyper: fp64
     [5] (lr, beta1, beta2, eps, weight_decay; with `stochastic` (bf16 only) a 6th, the rounding's seed, an integer
     below 2**53); grad_scale (None: 1), found_inf: float32 0-dim on the table's device; launch(kernel, grid, args,
     meta)."""
     meta = dict(DTYPE=TL_DTYPES[dtype], AMSGRAD=amsgrad, MAXIMIZE=maximize, GRAD_SCALE=grad_scale is not None,
-                STOCHASTIC=_stochastic(stochastic, dtype), ALIGNED=table.aligned, CHUNK=table.chunk,
-                BLOCK=table.block, **_options(table))
+                STOCHASTIC=_stochastic(stochastic, dtype), MASTER=_master(master, dtype), ALIGNED=table.aligned,
+                CHUNK=table.chunk, BLOCK=table.block, **_options(table))
     args = (table.table, hyper, found_inf if grad_scale is None else grad_scale, found_inf, table.n_tensors)
     launch(adamw_kernel, (table.n_programs,), args, meta)
 
 
 def sgd_(table: OptimTable, hyper: torch.Tensor, grad_scale: torch.Tensor | None, found_inf: torch.Tensor,
-         dtype: torch.dtype, momentum: bool, nesterov: bool, maximize: bool, launch, stochastic: bool = False) -> None:
+         dtype: torch.dtype, momentum: bool, nesterov: bool, maximize: bool, launch, stochastic: bool = False,
+         master: bool = False) -> None:
     """One SGD step of the tensors of `table` (dtype `dtype`); hyper: fp64 [4] (lr, momentum, dampening,
     weight_decay; with `stochastic` (bf16 only) a 5th, the rounding's seed); grad_scale (None: 1), found_inf: float32
     0-dim on the table's device; launch(kernel, grid, args, meta)."""
     meta = dict(DTYPE=TL_DTYPES[dtype], MOMENTUM=momentum, NESTEROV=nesterov, MAXIMIZE=maximize,
-                GRAD_SCALE=grad_scale is not None, STOCHASTIC=_stochastic(stochastic, dtype), ALIGNED=table.aligned,
-                CHUNK=table.chunk, BLOCK=table.block, **_options(table))
+                GRAD_SCALE=grad_scale is not None, STOCHASTIC=_stochastic(stochastic, dtype),
+                MASTER=_master(master, dtype), ALIGNED=table.aligned, CHUNK=table.chunk, BLOCK=table.block,
+                **_options(table))
     args = (table.table, hyper, found_inf if grad_scale is None else grad_scale, found_inf, table.n_tensors)
     launch(sgd_kernel, (table.n_programs,), args, meta)

@@ -161,8 +161,9 @@ def kernels(dtypes=("fp32", "bf16", "fp16", "fp64"), only: str | None = None, fu
 
 
 def _optimizer_kernels(dtypes, block: int, chunk: int):
-    """The optimizer steps of fh.AdamW (with and without amsgrad; bf16 also with stochastic rounding) and fh.SGD
-    (Nesterov momentum), each dividing by a grad_scale (a folded clip, GradScaler), as `kernels`."""
+    """The optimizer steps of fh.AdamW (with and without amsgrad; bf16 also with stochastic rounding, 16-bit also with
+    fp32 master weights) and fh.SGD (Nesterov momentum), each dividing by a grad_scale (a folded clip, GradScaler), as
+    `kernels`."""
     from ..kernels import optim
     from ..kernels.multi_tensor import TL_DTYPES
 
@@ -172,15 +173,18 @@ def _optimizer_kernels(dtypes, block: int, chunk: int):
         dt = TL_DTYPES[DTYPES[dname]]
         common = {"GRAD_SCALE": True, "ALIGNED": True, "CHUNK": chunk,
                   "BLOCK": min(block, optim.GPU_BLOCK[DTYPES[dname].itemsize])}
-        for amsgrad, stochastic in ((False, False), (True, False), (False, True)):
-            if stochastic and dname != "bf16":
+        for amsgrad, stochastic, master in ((False, False, False), (True, False, False), (False, True, False),
+                                            (False, False, True)):
+            if (stochastic and dname != "bf16") or (master and dname not in ("bf16", "fp16")):
                 continue
-            constexprs = {"DTYPE": dt, "AMSGRAD": amsgrad, "MAXIMIZE": False, "STOCHASTIC": stochastic, **common}
-            family = "optimizer-step" + ("+amsgrad" if amsgrad else "") + ("+stochastic" if stochastic else "")
+            constexprs = {"DTYPE": dt, "AMSGRAD": amsgrad, "MAXIMIZE": False, "STOCHASTIC": stochastic,
+                          "MASTER": master, **common}
+            family = ("optimizer-step" + ("+amsgrad" if amsgrad else "") + ("+stochastic" if stochastic else "")
+                      + ("+master" if master else ""))
             yield (family, dname, "adamw_kernel", optim.adamw_kernel,
                    pointers | dict.fromkeys(constexprs, "constexpr"), constexprs)
         constexprs = {"DTYPE": dt, "MOMENTUM": True, "NESTEROV": True, "MAXIMIZE": False, "STOCHASTIC": False,
-                      **common}
+                      "MASTER": False, **common}
         yield ("optimizer-step", dname, "sgd_kernel", optim.sgd_kernel,
                pointers | dict.fromkeys(constexprs, "constexpr"), constexprs)
 

@@ -8,8 +8,9 @@ parameter and state once and writes the parameter and its states once, computing
 fp32 for 16-bit and fp32 tensors, rounded once per stored value). The learning rate, betas, eps, weight decay and
 the step counts are read on the device at each launch: a schedule compiles nothing new. A step keeps `step` of
 each parameter as a float32 tensor on the parameter's device, as torch's fused optimizers do. With
-`stochastic_rounding=True` (off by default) the bf16 parameters' stores are rounded stochastically, seeded by `seed=`
-(docs/optimizers.md).
+`stochastic_rounding=True` (off by default) the bf16 parameters' stores are rounded stochastically, seeded by `seed=`;
+with `master_weights=True` 16-bit parameters are stepped through fp32 copies (`state["master_param"]`) with fp32
+states (docs/optimizers.md).
 
 Like torch's fused optimizers they read `grad_scale` and `found_inf` (float32 0-dim tensors) when set as attributes
 (`_step_supports_amp_scaling`): `scaler.step(opt)` sets them (AMP's scale and whether a gradient overflowed), and
@@ -113,9 +114,11 @@ class _KernelSteps:
             table = tables[key] = kernels.build_table(parts, device, key[2].itemsize)
         return table
 
-    def _init_rounding(self, stochastic_rounding: bool, seed: int) -> None:
+    def _init_precision(self, stochastic_rounding: bool, seed: int, master_weights: bool) -> None:
         """Stochastic rounding of the bf16 parameters' stores (off by default): each launch draws its random bits
-        from Philox keyed by (seed, launches so far) (`kernels.optim._store_param`)."""
+        from Philox keyed by (seed, launches so far) (`kernels.optim._store_param`). fp32 master weights of the 16-bit
+        parameters (off by default): `state["master_param"]`, and their states in fp32."""
+        self.master_weights = bool(master_weights)
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**31:
             raise ValueError(f"seed= takes an integer in [0, 2**31), not {seed!r}")
         if stochastic_rounding and any(p.dtype == torch.float16 for g in self.param_groups for p in g["params"]):
@@ -133,12 +136,59 @@ class _KernelSteps:
         return True, [(self.seed * 1_000_003 + self._fh_launches) % 2**53]
 
     def _check_rounding(self, params: list[torch.Tensor]) -> None:
-        """Refuse torch's single-tensor step (which rounds to nearest) of bf16 parameters to be rounded
-        stochastically."""
+        """Refuse torch's single-tensor step (which rounds to nearest, and keeps no master weights) of bf16
+        parameters to be rounded stochastically, and of parameters with master weights."""
         if self.stochastic_rounding and any(p.dtype == torch.bfloat16 for p in params):
             raise RuntimeError("stochastic_rounding=True: the bfloat16 parameters torch's single-tensor step would "
                                "take (not contiguous, or on CPU without TRITON_INTERPRET=1) would be rounded to "
                                "nearest: make them contiguous, or leave stochastic_rounding off")
+        if any(self._keeps_master(p.dtype) for p in params):
+            raise RuntimeError("master_weights=True: torch's single-tensor step, which would take some 16-bit "
+                               "parameters here (not contiguous, or on CPU without TRITON_INTERPRET=1), keeps no fp32 "
+                               "master weights: make them contiguous, or leave master_weights off")
+
+    def _keeps_master(self, dtype: torch.dtype) -> bool:
+        """Do parameters of `dtype` have fp32 master weights (master_weights=True, 16-bit)?"""
+        return self.master_weights and dtype in (torch.float16, torch.bfloat16)
+
+    def _state_like(self, p: torch.Tensor) -> torch.Tensor:
+        """A zero state for `p`: fp32 with master weights, else of p's dtype (torch's layout)."""
+        dtype = torch.float32 if self._keeps_master(p.dtype) else p.dtype
+        return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+    def _master_of(self, p: torch.Tensor, state: dict, keys: tuple[str, ...]) -> int:
+        """The address of p's fp32 master weights, or 0 without master weights. Made from p (and its states `keys`
+        widened to fp32) where a state came without them (torch's, or master_weights turned on), where they are not
+        fp32 (torch's load_state_dict casts them), and where p was written since this optimizer's last step (its
+        version moved: model.load_state_dict, an in-place edit): the parameter then wins over a stale master."""
+        if not self._keeps_master(p.dtype):
+            return 0
+        master = state.get("master_param")
+        versions = self.__dict__.setdefault("_fh_versions", {})
+        if (master is None or master.dtype != torch.float32 or master.shape != p.shape
+                or versions.get(id(p), p._version) != p._version):
+            state["master_param"] = p.detach().float().contiguous()
+        versions[id(p)] = p._version  # the kernel writes p without moving its version
+        for key in keys:
+            if key in state and state[key].dtype != torch.float32:
+                state[key] = state[key].float()
+        return state["master_param"].data_ptr()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load_state_dict, which casts every state to its parameter's dtype; with master weights the fp32
+        states saved (master_param, moments, momentum buffers) are put back in fp32, unrounded."""
+        super().load_state_dict(state_dict)
+        if not self.master_weights:
+            return
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for p, i in zip(params, saved_ids):
+            saved = state_dict["state"].get(i, {})
+            if not self._keeps_master(p.dtype):
+                continue
+            for key, value in saved.items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                    self.state[p][key] = value.to(device=p.device, copy=True)
 
     def _found_inf(self, scaling: _Scaling, device: torch.device) -> torch.Tensor:
         """The found_inf the kernels read on `device`: the step's, or a kept 0.0."""
@@ -175,6 +225,7 @@ class _KernelSteps:
         state = super().__getstate__()
         state.pop("_fh_books", None)  # device tensors and addresses: made again at the next step
         state.pop("_fh_in_backward", None)  # ids of this process's tensors, stepped by their registrations
+        state.pop("_fh_versions", None)  # id(param) -> its version after the last step (master weights)
         return state
 
 
@@ -250,10 +301,10 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
-                 stochastic_rounding: bool = False, seed: int = 0):
+                 stochastic_rounding: bool = False, seed: int = 0, master_weights: bool = False):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize)
-        self._init_rounding(stochastic_rounding, seed)
+        self._init_precision(stochastic_rounding, seed, master_weights)
 
     def _step_group(self, index: int, group: dict, scaling: _Scaling, params: list, tag) -> None:
         """Step `params` (of group `index`, each with a gradient); `tag`: which launch tables they keep ("group",
@@ -265,10 +316,10 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
             state = self.state[p]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg"] = self._state_like(p)
+                state["exp_avg_sq"] = self._state_like(p)
                 if amsgrad:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["max_exp_avg_sq"] = self._state_like(p)
             elif state["step"].device != p.device or state["step"].dtype != torch.float32:
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)  # from torch's CPU count
         kernel, torch_steps = [], []
@@ -285,18 +336,19 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
             live = [p for p in ps if p.numel()]
             if not live:
                 continue
+            masters = [self._master_of(p, self.state[p], ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")) for p in live]
             parts = {"param": [p.data_ptr() for p in live], "grad": [p.grad.data_ptr() for p in live],
                      "state1": [self.state[p]["exp_avg"].data_ptr() for p in live],
                      "state2": [self.state[p]["exp_avg_sq"].data_ptr() for p in live],
                      "state3": [self.state[p]["max_exp_avg_sq"].data_ptr() if amsgrad else 0 for p in live],
                      "step": [self.state[p]["step"].data_ptr() for p in live],
-                     "numel": [p.numel() for p in live], "first_step": [0] * len(live)}
+                     "numel": [p.numel() for p in live], "first_step": [0] * len(live), "master": masters}
             table = self._table((index, device, dtype, tag), parts, device)
             stochastic, seed = self._rounding(dtype)
             hyper = _hyper([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]] + seed, device)
             found_inf = self._found_inf(scaling, device)
             adamw_(table, hyper, scaling.on("grad_scale", device), found_inf, dtype, amsgrad, group["maximize"],
-                   launcher.launch, stochastic)
+                   launcher.launch, stochastic, self._keeps_master(dtype))
             if scaling.found_inf is not None:  # as torch's fused step: a skipped step does not count
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
         if torch_steps and not scaling.skipped_on_host():
@@ -317,10 +369,10 @@ class SGD(_KernelSteps, torch.optim.SGD):
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
-                 stochastic_rounding: bool = False, seed: int = 0):
+                 stochastic_rounding: bool = False, seed: int = 0, master_weights: bool = False):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, maximize=maximize)
-        self._init_rounding(stochastic_rounding, seed)
+        self._init_precision(stochastic_rounding, seed, master_weights)
 
     def _step_group(self, index: int, group: dict, scaling: _Scaling, params: list, tag) -> None:
         """Step `params` (of group `index`, each with a gradient); `tag`: which launch tables they keep ("group",
@@ -345,20 +397,22 @@ class SGD(_KernelSteps, torch.optim.SGD):
             if momentum != 0:
                 for p, is_first in zip(ps, first):
                     if is_first:  # the kernel writes it: the gradient (weight decay included), as torch's clone
-                        self.state[p]["momentum_buffer"] = torch.empty_like(p)
+                        self.state[p]["momentum_buffer"] = torch.empty_like(self._state_like(p))
             first = [f for p, f in zip(ps, first) if p.numel()]
             live = [p for p in ps if p.numel()]
             if not live:
                 continue
+            masters = [self._master_of(p, self.state[p], ("momentum_buffer",)) for p in live]
             parts = {"param": [p.data_ptr() for p in live], "grad": [p.grad.data_ptr() for p in live],
                      "state1": [self.state[p]["momentum_buffer"].data_ptr() if momentum != 0 else 0 for p in live],
                      "state2": [0] * len(live), "state3": [0] * len(live), "step": [0] * len(live),
-                     "numel": [p.numel() for p in live], "first_step": first}
+                     "numel": [p.numel() for p in live], "first_step": first, "master": masters}
             table = self._table((index, device, dtype, tag), parts, device)
             stochastic, seed = self._rounding(dtype)
             hyper = _hyper([group["lr"], momentum, group["dampening"], group["weight_decay"]] + seed, device)
             sgd_(table, hyper, scaling.on("grad_scale", device), self._found_inf(scaling, device), dtype,
-                 momentum != 0, group["nesterov"], group["maximize"], launcher.launch, stochastic)
+                 momentum != 0, group["nesterov"], group["maximize"], launcher.launch, stochastic,
+                 self._keeps_master(dtype))
         if torch_steps and not scaling.skipped_on_host():
             self._check_rounding(torch_steps)
             bufs = [self.state[p].get("momentum_buffer") for p in torch_steps]
