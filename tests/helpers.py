@@ -41,6 +41,15 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor)]
 
 
+def assert_same_steps(models, opts) -> None:
+    """models[0]'s parameters and opts[0]'s states equal models[1]'s and opts[1]'s bit for bit (the same keys)."""
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+        assert opts[0].state[p].keys() == opts[1].state[q].keys()
+        for key, value in opts[1].state[q].items():
+            assert torch.equal(opts[0].state[p][key], value), key
+
+
 class RaisingBackward(torch.autograd.Function):
     """The identity, whose backward raises FloatingPointError (an OOM, a NaN guard): the layers behind it have
     fired by then, the ones before it never fire."""

@@ -10,7 +10,7 @@ import torch
 import fusedhooks as fh
 from fusedhooks import STAT_NAMES
 
-from helpers import FLOAT_DTYPES, assert_same_bits, assert_same_values, check_stats
+from helpers import FLOAT_DTYPES, assert_same_bits, assert_same_steps, assert_same_values, check_stats
 from test_ops import BODIES, CLAMP_BODIES, POW_ULPS, eager_expected, special_values
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -296,10 +296,7 @@ def test_optimizer_step_in_backward_on_cuda():
             model(x).square().mean().backward()
             opt.step()
     assert all(p.grad is None for p in models[0].parameters())
-    for p, q in zip(models[0].parameters(), models[1].parameters()):
-        assert torch.equal(p, q)
-        for key, value in opts[1].state[q].items():
-            assert torch.equal(opts[0].state[p][key], value)
+    assert_same_steps(models, opts)
 
 
 def test_hundred_steps_of_a_nanogpt_sized_model_on_cuda():

@@ -10,7 +10,7 @@ import torch
 
 from ..api import GradHook, RegistrationHandle
 from ..registration import gates
-from ..registration.register import check_param, named_tensors, run_outside_graph
+from ..registration.register import check_param, named_tensors, run_outside_graph, stepping
 from ..runtime import launcher
 from ..stats import backwards
 from ..stats.buffer import ParamStats, ScalarSelection, StatsReading
@@ -69,12 +69,21 @@ class AdaptiveClip:
         self.stats = AdaptiveClipStats(self)
 
     def register(self, target, name: str | None = None, accumulation_steps: int | None = None,
-                 when=None) -> RegistrationHandle:
+                 when=None, optimizer=None, keep_grads: bool = False) -> RegistrationHandle:
         """Register on a leaf Tensor, an nn.Module or an iterable of them (as GradHook.register), all or
         nothing. Each tensor gets its own compiled hook (its state is a closed-over device tensor), registered
         through `GradHook.register`, and an update of its state right after it, which runs only when the hook
-        processed the gradient (accumulation_steps=, when=, paused(): as GradHook's)."""
+        processed the gradient (accumulation_steps=, when=, paused(): as GradHook's). optimizer= (fh.AdamW or
+        fh.SGD): each parameter is stepped right after its state's update, and its gradient freed unless
+        keep_grads=True (the optimizer step inside the backward, see GradHook.register)."""
         gate = gates.parse(accumulation_steps, when)  # one for all the tensors: they count the same micro-batches
+        make_steps = getattr(optimizer, "step_in_backward", None)
+        if optimizer is not None and not callable(make_steps):
+            raise TypeError(f"register(optimizer=...) takes fh.AdamW or fh.SGD (their step runs inside the "
+                            f"backward), not {type(optimizer).__name__}")
+        if keep_grads and optimizer is None:
+            raise ValueError("keep_grads=True keeps the gradients an optimizer step inside the backward would free: "
+                             "it goes with optimizer=")
         pairs = list(named_tensors(target, name, lambda taken: f"param{len(self._hooks) + len(taken)}"))
         names = set()
         for pname, t in pairs:
@@ -83,6 +92,10 @@ class AdaptiveClip:
                 raise ValueError(f"{pname!r} is already registered with this adaptive clip; pass a different name=")
             names.add(pname)
         handle = RegistrationHandle(self)
+        steps = None
+        if optimizer is not None:
+            steps = make_steps([t for _, t in pairs], keep_grads=keep_grads)  # checks them: before registering
+            handle.on_remove(steps.remove)
         try:
             for pname, t in pairs:
                 state = torch.tensor([math.inf, 0.0], dtype=torch.float32, device=t.device)
@@ -92,6 +105,8 @@ class AdaptiveClip:
                 self._hooks[pname], self._states[pname] = hook, state
                 handle.on_remove(functools.partial(self._forget, pname, hook))
                 update = self._update(pname, hook, state)
+                if steps is not None:  # the step after the update (which reads the firing's statistics row)
+                    update = stepping(update, steps, lambda hook=hook: hook.is_paused)
                 if gate is not None:  # the registration's gate: the same decision as the hook's in each backward
                     update = gates.gated(update, gate, run_outside_graph, lambda hook=hook: hook.is_paused)
                 handle.add(t, t.register_post_accumulate_grad_hook(update))

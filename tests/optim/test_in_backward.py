@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fusedhooks as fh
 
-from helpers import RaisingBackward, mlp
+from helpers import RaisingBackward, assert_same_steps, mlp
 
 CLIP = 0.02
 OPTIMIZERS = {
@@ -60,11 +60,7 @@ def test_in_backward_equals_the_step_after_the_backward(name, dtype):
             losses.append(loss.item())
         assert losses[0] == losses[1]
         assert all(p.grad is None for p in models[0].parameters())
-        for p, q in zip(models[0].parameters(), models[1].parameters()):
-            assert torch.equal(p, q)
-            assert opts[0].state[p].keys() == opts[1].state[q].keys()
-            for key, value in opts[1].state[q].items():
-                assert torch.equal(opts[0].state[p][key], value), key
+        assert_same_steps(models, opts)
         first, second = hooks[0].stats.read(), hooks[1].stats.read()
         for key in second:
             assert first[key]["norm"] == second[key]["norm"]
@@ -252,7 +248,26 @@ def test_under_compiled_autograd_each_step_runs_outside_the_graph(backend):
             compiled(models[0], batch)
         step(models[1], batch)
         assert all(p.grad is None for p in models[0].parameters())
-    for p, q in zip(models[0].parameters(), models[1].parameters()):
-        assert torch.equal(p, q)
-        for key, value in opts[1].state[q].items():
-            assert torch.equal(opts[0].state[p][key], value)
+    assert_same_steps(models, opts)
+
+
+def test_adagc_clips_then_steps_each_parameter_in_the_backward():
+    """fh.adaptive_clip(...).register(model, optimizer=opt): AdaGC's per-tensor clip, its state's update, then the
+    step, at each firing: bit for bit AdaGC then the step after the backward (parameters, moments, AdaGC's state),
+    with every gradient freed."""
+    models = [mlp((8, 16, 5)) for _ in range(2)]
+    opts = [fh.AdamW(m.parameters(), lr=1e-2) for m in models]
+    clips = [fh.adaptive_clip(warmup_steps=2, max_norm=0.05) for _ in range(2)]
+    clips[0].register(models[0], optimizer=opts[0])
+    clips[1].register(models[1])
+    for batch in batches(torch.float32, 5):
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            loss_of(model, batch).backward()
+            opt.step()
+        assert all(p.grad is None for p in models[0].parameters())
+    assert_same_steps(models, opts)
+    for name in clips[1].stats.names:
+        assert torch.equal(clips[0].state(name), clips[1].state(name))
+    with pytest.raises(TypeError, match="fh.AdamW or fh.SGD"):
+        fh.adaptive_clip().register(mlp((8, 16, 5)), optimizer=object())
