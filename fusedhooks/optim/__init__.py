@@ -190,6 +190,18 @@ class _KernelSteps:
                 if key != "step" and isinstance(value, torch.Tensor) and value.dtype == torch.float32:
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
+    def _hyper_for(self, index: int, values: list, device: torch.device) -> torch.Tensor:
+        """`_hyper(values, device)` for group `index`, the last one kept per (group, device) and reused while the
+        values stay: the firings of one step inside the backward copy them to the device once."""
+        if any(isinstance(v, torch.Tensor) for v in values):
+            return _hyper(values, device)
+        kept = self.__dict__.setdefault("_fh_hyper", {})
+        values = tuple(float(v) for v in values)
+        entry = kept.get((index, device))
+        if entry is None or entry[0] != values:
+            entry = kept[(index, device)] = (values, _hyper(list(values), device))
+        return entry[1]
+
     def _found_inf(self, scaling: _Scaling, device: torch.device) -> torch.Tensor:
         """The found_inf the kernels read on `device`: the step's, or a kept 0.0."""
         found_inf = scaling.on("found_inf", device)
@@ -226,6 +238,7 @@ class _KernelSteps:
         state.pop("_fh_books", None)  # device tensors and addresses: made again at the next step
         state.pop("_fh_in_backward", None)  # ids of this process's tensors, stepped by their registrations
         state.pop("_fh_versions", None)  # id(param) -> its version after the last step (master weights)
+        state.pop("_fh_hyper", None)  # device tensors of the hyper-parameters
         return state
 
 
@@ -345,7 +358,8 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
                      "numel": [p.numel() for p in live], "first_step": [0] * len(live), "master": masters}
             table = self._table((index, device, dtype, tag), parts, device)
             stochastic, seed = self._rounding(dtype)
-            hyper = _hyper([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]] + seed, device)
+            hyper = self._hyper_for(index, [group["lr"], beta1, beta2, group["eps"], group["weight_decay"]] + seed,
+                                    device)
             found_inf = self._found_inf(scaling, device)
             adamw_(table, hyper, scaling.on("grad_scale", device), found_inf, dtype, amsgrad, group["maximize"],
                    launcher.launch, stochastic, self._keeps_master(dtype))
@@ -409,7 +423,8 @@ class SGD(_KernelSteps, torch.optim.SGD):
                      "numel": [p.numel() for p in live], "first_step": first, "master": masters}
             table = self._table((index, device, dtype, tag), parts, device)
             stochastic, seed = self._rounding(dtype)
-            hyper = _hyper([group["lr"], momentum, group["dampening"], group["weight_decay"]] + seed, device)
+            hyper = self._hyper_for(index, [group["lr"], momentum, group["dampening"], group["weight_decay"]] + seed,
+                                    device)
             sgd_(table, hyper, scaling.on("grad_scale", device), self._found_inf(scaling, device), dtype,
                  momentum != 0, group["nesterov"], group["maximize"], launcher.launch, stochastic,
                  self._keeps_master(dtype))

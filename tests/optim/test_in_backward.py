@@ -271,3 +271,24 @@ def test_adagc_clips_then_steps_each_parameter_in_the_backward():
         assert torch.equal(clips[0].state(name), clips[1].state(name))
     with pytest.raises(TypeError, match="fh.AdamW or fh.SGD"):
         fh.adaptive_clip().register(mlp((8, 16, 5)), optimizer=object())
+
+
+def test_the_firings_of_one_step_share_the_hyper_parameters_copy(monkeypatch):
+    """The hyper-parameters go to the device once per step, not once per firing; again when a schedule changes lr."""
+    from fusedhooks.runtime import launcher
+
+    copies = []
+    real = launcher.host_to_device
+    monkeypatch.setattr(launcher, "host_to_device", lambda values, *rest: copies.append(values) or real(values, *rest))
+    model = mlp((8, 16, 5))
+    opt = fh.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    clip_hook().register(model, optimizer=opt)
+    data = batches(torch.float32, 3)
+    for batch in data[:2]:
+        loss_of(model, batch).backward()
+        opt.step()  # as training code calls it (steps nothing here; LR schedulers expect it)
+    assert len(copies) == 1 and copies[0][0] == 0.1
+    schedule.step()
+    loss_of(model, data[2]).backward()
+    assert len(copies) == 2 and copies[1][0] == 0.05
