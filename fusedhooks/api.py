@@ -22,7 +22,7 @@ from .firing.dispatch import Dispatch
 from .firing.registry import Entry, RegistrationHandle, Registry
 from .firing.traced import TracedFiring
 from .registration import ddp
-from .registration.register import Registration, check_dtype
+from .registration.register import Registration, check_dtype, steps_in_backward
 from .runtime import launcher, process_groups
 from .runtime.compilation import BackwardPlan, Compiled, HookCompilation, Workspaces
 from .stats.buffer import HookStats
@@ -284,21 +284,12 @@ class GradHook:
         exist): fh.clip_grad_norm_ refuses these gradients. See docs/optimizers.md.
         """
         handle, calls = RegistrationHandle(self), self.firing_calls()
-        step_in_backward = None
-        if optimizer is not None:
-            make = getattr(optimizer, "step_in_backward", None)
-            if not callable(make):
-                raise TypeError(f"register(optimizer=...) takes fh.AdamW or fh.SGD (their step runs inside the "
-                                f"backward), not {type(optimizer).__name__}")
-            if process_groups.is_ddp(target):
+        step_in_backward = steps_in_backward(optimizer, keep_grads)
+        if process_groups.is_ddp(target):
+            if step_in_backward is not None:
                 raise ValueError("register(ddp_model, optimizer=...): the optimizer step inside the backward does "
                                  "not take DDP yet (the averaged gradient exists only after each bucket's "
                                  "all-reduce). Register without optimizer= and call opt.step() after the backward")
-            step_in_backward = functools.partial(make, keep_grads=keep_grads)
-        elif keep_grads:
-            raise ValueError("keep_grads=True keeps the gradients an optimizer step inside the backward would free: "
-                             "it goes with optimizer=")
-        if process_groups.is_ddp(target):
             return ddp.register_ddp(self.registration, calls, target, name, bucket_mb, accumulation_steps, when, handle)
         return self.registration.register(target, name, bucket_mb, accumulation_steps, when, handle, calls,
                                           step_in_backward)

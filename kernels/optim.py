@@ -47,17 +47,27 @@ def _load(ptr, offsets, mask, DTYPE: tl.constexpr, MATH: tl.constexpr):
 
 
 @triton.jit
-def _store(ptr, offsets, x, mask, DTYPE: tl.constexpr):
-    """Store x rounded to DTYPE (to nearest even; bf16 by bits in the interpreter, whose cast truncates); mask None:
-    a full block."""
-    if DTYPE == tl.bfloat16:
-        y = to_bf16(x)
-    else:
-        y = x.to(DTYPE)
+def _put(ptr, offsets, y, mask):
+    """Store y as it is; mask None: a full block (no mask: vector stores for aligned tensors)."""
     if mask is None:
         tl.store(ptr + offsets, y)
     else:
         tl.store(ptr + offsets, y, mask=mask)
+
+
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr):
+    """x rounded to DTYPE (to nearest even; bf16 by bits in the interpreter, whose cast truncates)."""
+    if DTYPE == tl.bfloat16:
+        return to_bf16(x)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _store(ptr, offsets, x, mask, DTYPE: tl.constexpr):
+    """Store x rounded to DTYPE (`_rounded`); mask None: a full block."""
+    _put(ptr, offsets, _rounded(x, DTYPE), mask)
 
 
 @triton.jit
@@ -70,12 +80,9 @@ def _store_param(ptr, offsets, x, mask, DTYPE: tl.constexpr, STOCHASTIC: tl.cons
         hi = (offsets >> 32).to(tl.uint32)
         random, _, _, _ = tl.philox(seed, lo, hi, tl.zeros_like(lo) + tensor.to(tl.uint32), tl.zeros_like(lo))
         y = to_bf16_stochastic(x, random & 0xFFFF)
-        if mask is None:
-            tl.store(ptr + offsets, y)
-        else:
-            tl.store(ptr + offsets, y, mask=mask)
     else:
-        _store(ptr, offsets, x, mask, DTYPE)
+        y = _rounded(x, DTYPE)
+    _put(ptr, offsets, y, mask)
 
 
 @triton.jit
@@ -161,7 +168,7 @@ def adamw_kernel(
     grad_scale_ptr,  # *fp32 0-dim: every gradient is divided by it (read when GRAD_SCALE)
     found_inf_ptr,  # *fp32 0-dim: non-zero: no tensor is stepped (the step counts are put back by the caller)
     n_tensors,  # tensors in the table
-    DTYPE: tl.constexpr,  # element type of every parameter, gradient and state
+    DTYPE: tl.constexpr,  # element type of every parameter and gradient, and of the states unless MASTER
     AMSGRAD: tl.constexpr,  # keep the largest exp_avg_sq (state3) and divide by it
     MAXIMIZE: tl.constexpr,  # step along the gradient
     GRAD_SCALE: tl.constexpr,  # divide each gradient by *grad_scale_ptr
@@ -244,7 +251,7 @@ def sgd_kernel(
     grad_scale_ptr,  # *fp32 0-dim: every gradient is divided by it (read when GRAD_SCALE)
     found_inf_ptr,  # *fp32 0-dim: non-zero: no tensor is stepped
     n_tensors,  # tensors in the table
-    DTYPE: tl.constexpr,  # element type of every parameter, gradient and momentum buffer
+    DTYPE: tl.constexpr,  # element type of every parameter and gradient, and of the momentum buffers unless MASTER
     MOMENTUM: tl.constexpr,  # momentum != 0: keep the momentum buffer (state1)
     NESTEROV: tl.constexpr,  # Nesterov momentum
     MAXIMIZE: tl.constexpr,  # step along the gradient

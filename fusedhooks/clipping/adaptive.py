@@ -10,7 +10,7 @@ import torch
 
 from ..api import GradHook, RegistrationHandle
 from ..registration import gates
-from ..registration.register import check_param, named_tensors, run_outside_graph, stepping
+from ..registration.register import check_param, named_tensors, run_outside_graph, stepping, steps_in_backward
 from ..runtime import launcher
 from ..stats import backwards
 from ..stats.buffer import ParamStats, ScalarSelection, StatsReading
@@ -77,13 +77,7 @@ class AdaptiveClip:
         fh.SGD): each parameter is stepped right after its state's update, and its gradient freed unless
         keep_grads=True (the optimizer step inside the backward, see GradHook.register)."""
         gate = gates.parse(accumulation_steps, when)  # one for all the tensors: they count the same micro-batches
-        make_steps = getattr(optimizer, "step_in_backward", None)
-        if optimizer is not None and not callable(make_steps):
-            raise TypeError(f"register(optimizer=...) takes fh.AdamW or fh.SGD (their step runs inside the "
-                            f"backward), not {type(optimizer).__name__}")
-        if keep_grads and optimizer is None:
-            raise ValueError("keep_grads=True keeps the gradients an optimizer step inside the backward would free: "
-                             "it goes with optimizer=")
+        make_steps = steps_in_backward(optimizer, keep_grads)
         pairs = list(named_tensors(target, name, lambda taken: f"param{len(self._hooks) + len(taken)}"))
         names = set()
         for pname, t in pairs:
@@ -93,8 +87,8 @@ class AdaptiveClip:
             names.add(pname)
         handle = RegistrationHandle(self)
         steps = None
-        if optimizer is not None:
-            steps = make_steps([t for _, t in pairs], keep_grads=keep_grads)  # checks them: before registering
+        if make_steps is not None:
+            steps = make_steps([t for _, t in pairs])  # checks them: before registering
             handle.on_remove(steps.remove)
         try:
             for pname, t in pairs:

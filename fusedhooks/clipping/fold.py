@@ -3,9 +3,9 @@
 torch's fused Adam, AdamW, SGD and Adagrad (`fused=True`) divide every gradient by `optimizer.grad_scale` (a
 float32 device tensor) inside their step kernel, and write the divided gradient back into `.grad`; fh.AdamW and
 fh.SGD divide it the same way and write nothing back. Setting `grad_scale = previous / coef` therefore clips
-without a pass over the gradients. GradScaler.step keeps a
-`grad_scale` it finds when the optimizer is already unscaled, multiplies its own scale in otherwise, and deletes
-the attribute (and `found_inf`) after the step: the fold composes with it either way.
+without a pass over the gradients. GradScaler.step keeps a `grad_scale` it finds when the optimizer is already
+unscaled, multiplies its own scale in otherwise, and deletes the attribute (and `found_inf`) after the step: the
+fold composes with it either way.
 
 One fold per optimizer at a time, consumed by exactly one step: a step pre-hook marks it as taken, a step
 post-hook puts back what `grad_scale` was before (registered once per optimizer). A fold made during a step (by the

@@ -18,7 +18,6 @@ class UnitsKernelWriter(KernelWriter):
 
     full_blocks = False  # no FULL_BLOCKS: their statistics keep the mask
 
-
     def workspace_arguments(self, per: str) -> list[tuple[str, str]]:
         """The units workspace and, where programs share blocks of units, their accumulators and counters (one
         pass: none, the program holds the results)."""

@@ -26,6 +26,8 @@ CPU without TRITON_INTERPRET=1) are stepped by torch's own single-tensor impleme
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch.optim.adam import adam as torch_adam
 from torch.optim.sgd import sgd as torch_sgd
@@ -90,17 +92,29 @@ class _Scaling:
         return [g / self.on("grad_scale", g.device) for g in grads]
 
 
+@dataclass
+class _Books:
+    """What an optimizer keeps for its launches, of this process only (device tensors, addresses, ids: not pickled,
+    made again at the next step)."""
+
+    tables: dict = field(default_factory=dict)  # (group index, device, dtype, tag) -> kernels.optim.OptimTable
+    zeros: dict = field(default_factory=dict)  # device -> a found_inf of 0.0
+    hyper: dict = field(default_factory=dict)  # (group index, device) -> (the values, their fp64 device tensor)
+    versions: dict = field(default_factory=dict)  # id(param) -> its version after the last step (master weights)
+    in_backward: set = field(default_factory=set)  # ids of the parameters stepped inside the backward
+
+
 class _KernelSteps:
-    """What both optimizers keep for their launches: the tables by (group, device, dtype), and a found_inf of 0.0
-    on each device."""
+    """The step both optimizers share: the books of their launches (`_Books`), grad_scale and found_inf, the
+    precision options, state_dict with master weights, and the step inside the backward."""
 
     #: GradScaler.step sets `grad_scale` and `found_inf` on the optimizer and lets its step read them (module docstring)
     _step_supports_amp_scaling = True
 
-    def _kernel_books(self) -> tuple[dict, dict]:
+    def _books(self) -> _Books:
         books = self.__dict__.get("_fh_books")
         if books is None:
-            books = self.__dict__["_fh_books"] = ({}, {})
+            books = self.__dict__["_fh_books"] = _Books()
         return books
 
     def _table(self, key: tuple, parts: dict, device: torch.device):
@@ -108,7 +122,7 @@ class _KernelSteps:
         stay."""
         from ..kernels import optim as kernels
 
-        tables, _ = self._kernel_books()
+        tables = self._books().tables
         table = tables.get(key)
         if table is None or table.key != kernels.table_key(parts):
             table = tables[key] = kernels.build_table(parts, device, key[2].itemsize)
@@ -135,7 +149,7 @@ class _KernelSteps:
         self._fh_launches += 1
         return True, [(self.seed * 1_000_003 + self._fh_launches) % 2**53]
 
-    def _check_rounding(self, params: list[torch.Tensor]) -> None:
+    def _check_fallback(self, params: list[torch.Tensor]) -> None:
         """Refuse torch's single-tensor step (which rounds to nearest, and keeps no master weights) of bf16
         parameters to be rounded stochastically, and of parameters with master weights."""
         if self.stochastic_rounding and any(p.dtype == torch.bfloat16 for p in params):
@@ -151,10 +165,9 @@ class _KernelSteps:
         """Do parameters of `dtype` have fp32 master weights (master_weights=True, 16-bit)?"""
         return self.master_weights and dtype in (torch.float16, torch.bfloat16)
 
-    def _state_like(self, p: torch.Tensor) -> torch.Tensor:
-        """A zero state for `p`: fp32 with master weights, else of p's dtype (torch's layout)."""
-        dtype = torch.float32 if self._keeps_master(p.dtype) else p.dtype
-        return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of p's states: fp32 with master weights, else p's (torch's layout)."""
+        return torch.float32 if self._keeps_master(p.dtype) else p.dtype
 
     def _master_of(self, p: torch.Tensor, state: dict, keys: tuple[str, ...]) -> int:
         """The address of p's fp32 master weights, or 0 without master weights. Made from p (and its states `keys`
@@ -164,7 +177,7 @@ class _KernelSteps:
         if not self._keeps_master(p.dtype):
             return 0
         master = state.get("master_param")
-        versions = self.__dict__.setdefault("_fh_versions", {})
+        versions = self._books().versions
         if (master is None or master.dtype != torch.float32 or master.shape != p.shape
                 or versions.get(id(p), p._version) != p._version):
             state["master_param"] = p.detach().float().contiguous()
@@ -195,7 +208,7 @@ class _KernelSteps:
         values stay: the firings of one step inside the backward copy them to the device once."""
         if any(isinstance(v, torch.Tensor) for v in values):
             return _hyper(values, device)
-        kept = self.__dict__.setdefault("_fh_hyper", {})
+        kept = self._books().hyper
         values = tuple(float(v) for v in values)
         entry = kept.get((index, device))
         if entry is None or entry[0] != values:
@@ -206,7 +219,7 @@ class _KernelSteps:
         """The found_inf the kernels read on `device`: the step's, or a kept 0.0."""
         found_inf = scaling.on("found_inf", device)
         if found_inf is None:
-            _, zeros = self._kernel_books()
+            zeros = self._books().zeros
             found_inf = zeros.get(device)
             if found_inf is None:
                 found_inf = zeros[device] = torch.zeros((), device=device)
@@ -221,7 +234,7 @@ class _KernelSteps:
             with torch.enable_grad():
                 loss = closure()
         scaling = _Scaling(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))  # read after closure
-        in_backward = self.__dict__.get("_fh_in_backward", ())
+        in_backward = self._books().in_backward
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None and id(p) not in in_backward]
             self._step_group(index, group, scaling, params, "group")
@@ -235,10 +248,7 @@ class _KernelSteps:
 
     def __getstate__(self):
         state = super().__getstate__()
-        state.pop("_fh_books", None)  # device tensors and addresses: made again at the next step
-        state.pop("_fh_in_backward", None)  # ids of this process's tensors, stepped by their registrations
-        state.pop("_fh_versions", None)  # id(param) -> its version after the last step (master weights)
-        state.pop("_fh_hyper", None)  # device tensors of the hyper-parameters
+        state.pop("_fh_books", None)  # this process's (`_Books`)
         return state
 
 
@@ -266,8 +276,8 @@ class BackwardSteps:
     (STEPPED_TWICE_MESSAGE) rather than stepped twice; one whose firing never came (a backward that raised before
     it) is not stepped.
 
-    Per parameter this is a firing's worth of host work: the step count's increment, the hyper-parameters copied to
-    the device, one launch (its table kept while the gradient's address stays)."""
+    Per parameter this is a firing's worth of host work: the step count's increment and one launch (its table kept
+    while the gradient's address stays; the hyper-parameters' device copy shared by the step's firings)."""
 
     def __init__(self, optimizer: _KernelSteps, params: list[torch.Tensor], keep_grads: bool):
         groups = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -283,7 +293,7 @@ class BackwardSteps:
         self.optimizer, self.keep_grads = optimizer, bool(keep_grads)
         self._groups = {id(p): groups[id(p)] for p in params}
         self._last: dict[int, GraphTask | None] = {}  # id(param) -> the backward of its last step
-        in_backward = optimizer.__dict__.setdefault("_fh_in_backward", set())
+        in_backward = optimizer._books().in_backward
         self._ids = set(self._groups) - in_backward
         in_backward |= self._ids
 
@@ -303,7 +313,7 @@ class BackwardSteps:
 
     def remove(self) -> None:
         """`opt.step()` steps these parameters again; this object steps nothing more."""
-        self.optimizer.__dict__.get("_fh_in_backward", set()).difference_update(self._ids)
+        self.optimizer._books().in_backward.difference_update(self._ids)
         self._ids = set()
 
 
@@ -329,10 +339,11 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
             state = self.state[p]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = self._state_like(p)
-                state["exp_avg_sq"] = self._state_like(p)
+                dtype = self._state_dtype(p)
+                state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
                 if amsgrad:
-                    state["max_exp_avg_sq"] = self._state_like(p)
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             elif state["step"].device != p.device or state["step"].dtype != torch.float32:
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)  # from torch's CPU count
         kernel, torch_steps = [], []
@@ -366,7 +377,7 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
             if scaling.found_inf is not None:  # as torch's fused step: a skipped step does not count
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
         if torch_steps and not scaling.skipped_on_host():
-            self._check_rounding(torch_steps)
+            self._check_fallback(torch_steps)
             states = [self.state[p] for p in torch_steps]
             torch_adam(
                 torch_steps, scaling.divided([p.grad for p in torch_steps]), [s["exp_avg"] for s in states],
@@ -411,7 +422,7 @@ class SGD(_KernelSteps, torch.optim.SGD):
             if momentum != 0:
                 for p, is_first in zip(ps, first):
                     if is_first:  # the kernel writes it: the gradient (weight decay included), as torch's clone
-                        self.state[p]["momentum_buffer"] = torch.empty_like(self._state_like(p))
+                        self.state[p]["momentum_buffer"] = torch.empty_like(p, dtype=self._state_dtype(p))
             first = [f for p, f in zip(ps, first) if p.numel()]
             live = [p for p in ps if p.numel()]
             if not live:
@@ -429,12 +440,11 @@ class SGD(_KernelSteps, torch.optim.SGD):
                  momentum != 0, group["nesterov"], group["maximize"], launcher.launch, stochastic,
                  self._keeps_master(dtype))
         if torch_steps and not scaling.skipped_on_host():
-            self._check_rounding(torch_steps)
+            self._check_fallback(torch_steps)
             bufs = [self.state[p].get("momentum_buffer") for p in torch_steps]
             torch_sgd(torch_steps, scaling.divided([p.grad for p in torch_steps]), bufs, foreach=False, fused=False,
-                                weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
-                                dampening=group["dampening"], nesterov=group["nesterov"],
-                                maximize=group["maximize"])
+                      weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+                      dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"])
             if momentum != 0:
                 for p, buf in zip(torch_steps, bufs):
                     self.state[p]["momentum_buffer"] = buf

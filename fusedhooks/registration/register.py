@@ -8,6 +8,7 @@ into the hook's firing come with each registration (`buckets.FiringCalls`), held
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -102,6 +103,22 @@ def run_outside_graph(fn, *args) -> None:
     from ..firing import ops
 
     ops.outside_graph(fn, *args)
+
+
+def steps_in_backward(optimizer, keep_grads: bool):
+    """register(..., optimizer=, keep_grads=)'s step inside the backward: `optimizer.step_in_backward` with keep_grads
+    bound (given the tensors, it returns the step that runs after each firing, see `stepping`), or None without an
+    optimizer. Refuses an optimizer without that step, and keep_grads=True without an optimizer."""
+    if optimizer is None:
+        if keep_grads:
+            raise ValueError("keep_grads=True keeps the gradients an optimizer step inside the backward would free: "
+                             "it goes with optimizer=")
+        return None
+    make = getattr(optimizer, "step_in_backward", None)
+    if not callable(make):
+        raise TypeError(f"register(optimizer=...) takes fh.AdamW or fh.SGD (their step runs inside the backward), "
+                        f"not {type(optimizer).__name__}")
+    return functools.partial(make, keep_grads=keep_grads)
 
 
 def stepping(fire, step, paused):
