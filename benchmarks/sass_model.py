@@ -7,11 +7,15 @@ never a substitute for one: every figure it prints is a prediction.
 
 Run it without TRITON_INTERPRET (Triton then compiles for GPU targets; `cuobjdump` ships with Triton).
 
-The model. A program of the single-gradient kernel (`fused_hook`) handles BLOCK elements with W warps; its SASS is
-straight-line code, each instruction issued once per warp (the last program's merge of the partials, once per
-gradient, is left out: the source is compiled without it; the statistics are those of a full block, FULL_BLOCKS, what
-every program but a gradient's last runs; a rare branch, as the sum of squares of a block holding an Inf, is counted
-as if it ran). On pipe p an SM spends W x 32 x N_p / R_p clocks per
+The model. A program of the single-gradient kernel (`fused_hook`) handles BLOCK elements with W warps, in tiles of
+TILE: the first tile in straight-line code, the others in a loop (the SASS's backward branch) that runs
+BLOCK / TILE - 1 times (divided by how many tiles ptxas unrolled into it, told by its global loads); each instruction
+is issued once per warp (the last program's merge of the partials, once per gradient, is left out: the source is
+compiled without it; the statistics are those of a full block, FULL_BLOCKS, what every program but a gradient's last
+runs). Inside the loop, a block that a forward conditional branch skips is left out: these are the rare paths (the
+running sums rescaled when a tile holds a larger value than the tiles before, a tile's NaN and Inf counted when it
+holds one, AMP's found_inf store). Outside the loop every instruction counts, as if it ran. On pipe p an SM spends
+W x 32 x N_p / R_p clocks per
 program, N_p the program's instructions on p and R_p the pipe's results per clock per SM (CUDA C++ Programming Guide,
 "Arithmetic Instructions", throughput table, compute capabilities 8.0 and 9.0); its four schedulers issue at most 4
 warp-instructions per clock. The kernel's time is the largest of the pipes' times, the issue time and the memory time
@@ -82,22 +86,50 @@ _NOT_ISSUED = {"NOP"}
 
 #: stats_cost.py's rows measured on the H200 at 201b840 (docs/benchmarks.md): the kernel's time over the copy's
 MEASURED_TIME_OVER_COPY = {
-    "fp32": {"clip + scale, no statistics": 1.06, "+ sum": 1.13, "+ sumsq (fp64 squares)": 1.12,
-             "+ mean, var (block M2)": 1.27, "+ min, max": 1.26, "+ nan, inf, zeros counts": 1.20,
+    "fp32": {"clip + scale, no statistics": 1.06, "+ sum": 1.13, "+ sumsq": 1.12,
+             "+ mean, var": 1.27, "+ min, max": 1.26, "+ nan, inf, zeros counts": 1.20,
              "+ all 13 statistics": 1.70, "+ all, and input statistics": 4.42,
              "no body, all statistics (read only)": 1.56},
-    "bf16": {"clip + scale, no statistics": 1.47, "+ sum": 1.95, "+ sumsq (fp64 squares)": 1.83,
-             "+ mean, var (block M2)": 2.46, "+ min, max": 3.33, "+ nan, inf, zeros counts": 2.48,
+    "bf16": {"clip + scale, no statistics": 1.47, "+ sum": 1.95, "+ sumsq": 1.83,
+             "+ mean, var": 2.46, "+ min, max": 3.33, "+ nan, inf, zeros counts": 2.48,
              "+ all 13 statistics": 4.08, "+ all, and input statistics": 9.10,
              "no body, all statistics (read only)": 2.84},
 }
 
 _SASS_LINE = re.compile(r"/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,5})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
+_TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
 
 
 def opcodes(sass: str) -> list[str]:
     """The opcodes (first word, without modifiers) of the instructions in `sass` (cuobjdump -sass output)."""
     return _SASS_LINE.findall(sass)
+
+
+def executed_opcodes(sass: str, tiles: int) -> list[str]:
+    """The opcodes a program of `tiles` tiles executes, each as often as it runs: the instructions outside the loop
+    once, the loop's (its backward branch's range) for every tile after the first, over the tiles unrolled into one
+    of its runs (its global loads over those outside); inside the loop, blocks that a forward conditional branch skips
+    are the rare paths, left out. Without a loop (one tile), every instruction once."""
+    code = []
+    for address, predicate, opcode, operands in _INSTRUCTION.findall(sass):
+        target = _TARGET.search(operands) if opcode == "BRA" else None
+        code.append((int(address, 16), opcode, bool(predicate), int(target.group(1), 16) if target else None))
+    loops = [(target, address) for address, opcode, _, target in code if target is not None and target < address]
+    if not loops or tiles <= 1:
+        return [opcode for _, opcode, _, _ in code]
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    rare = [(address, target) for address, opcode, predicated, target in code
+            if predicated and target is not None and start <= address < target <= end]
+    inside = [opcode for address, opcode, _, _ in code
+              if start <= address <= end and not any(a < address < t for a, t in rare)]
+    outside = [opcode for address, opcode, _, _ in code if not start <= address <= end]
+    per_run = max(1, round(inside.count("LDG") / max(1, outside.count("LDG"))))
+    runs = (tiles - 1) / per_run
+    counts = collections.Counter(outside)
+    for opcode, n in collections.Counter(inside).items():
+        counts[opcode] += n * runs
+    return [opcode for opcode, n in counts.items() for _ in range(round(n))]
 
 
 def pipe_counts(ops: list[str]) -> dict[str, int]:
@@ -141,7 +173,15 @@ def bytes_per_element(hook, dtype) -> int:
 def predicted_time_over_copy(hook, dtype, gpu: Gpu) -> float:
     """The predicted time of `hook`'s one-pass kernel for `dtype` on `gpu`, over a copy of the same bytes."""
     sass, block, warps = kernel_sass(hook, dtype, gpu.arch)
-    return 1 / predict(pipe_counts(opcodes(sass)), gpu, block, warps, bytes_per_element(hook, dtype))["copy_ratio"]
+    ops = executed_opcodes(sass, tiles_per_program(block, dtype))
+    return 1 / predict(pipe_counts(ops), gpu, block, warps, bytes_per_element(hook, dtype))["copy_ratio"]
+
+
+def tiles_per_program(block: int, dtype) -> int:
+    """The tiles a program of `block` elements of `dtype` steps through (the generated kernels' TILE)."""
+    from fusedhooks.codegen.kernel_writer import TILE_ELEMENTS
+
+    return max(1, block // TILE_ELEMENTS[dtype])
 
 
 def _without_merge(source: str) -> str:
@@ -226,7 +266,8 @@ def main(argv=None) -> int:
             for gpu in gpus:
                 if gpu.arch not in by_arch:
                     sass, block, warps = kernel_sass(hook, dtype, gpu.arch)
-                    by_arch[gpu.arch] = (pipe_counts(opcodes(sass)), block, warps)
+                    ops = executed_opcodes(sass, tiles_per_program(block, dtype))
+                    by_arch[gpu.arch] = (pipe_counts(ops), block, warps)
                 counts, block, warps = by_arch[gpu.arch]
                 prediction = predict(counts, gpu, block, warps, moved)
                 row["gpus"][gpu.name] = {"time_over_copy": 1 / prediction["copy_ratio"], **prediction,

@@ -29,8 +29,8 @@ from fusedhooks.cli.tune import parse_size  # noqa: E402
 SUBSETS = (
     ("clip + scale, no statistics", True, ()),
     ("+ sum", True, ("sum",)),
-    ("+ sumsq (fp64 squares)", True, ("sumsq",)),
-    ("+ mean, var (block M2)", True, ("mean", "var")),
+    ("+ sumsq", True, ("sumsq",)),
+    ("+ mean, var", True, ("mean", "var")),
     ("+ min, max", True, ("min", "max")),
     ("+ nan, inf, zeros counts", True, ("nan", "inf", "zeros")),
     ("+ all 13 statistics", True, "all"),

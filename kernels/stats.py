@@ -24,113 +24,225 @@ def _valid(x, mask, other, FULL: tl.constexpr):
 
 
 @triton.jit
-def _count(flags, mask, FULL: tl.constexpr):
-    """How many valid lanes have `flags` set, as fp64. Summed as fp32 ones (exact below 2**24 lanes): a compare
-    that writes 1.0 or 0.0 and an add on the fp32 pipe, where an int32 count takes a compare, a select and an
-    integer add on the ALU pipe that the statistics fill."""
-    return tl.sum(_valid(flags, mask, False, FULL).to(tl.float32), axis=0).to(tl.float64)
+def _rows(v, V: tl.constexpr):
+    """The sums of each V adjacent lanes of v [TILE] ([TILE // V]): the V elements of one vector access, which one
+    thread holds, added in its registers (no exchange between threads)."""
+    return tl.sum(tl.reshape(v, [v.shape[0] // V, V]), axis=1)
+
+
+@triton.jit
+def _pow2(e):
+    """2.0 ** e as fp32, for int32 e in [-126, 127] (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _abs_bits(x, mask, FULL: tl.constexpr):
+    """The bits of the largest |x| of the valid lanes of fp32 `x`, as int32 (0 without any): one int32 maximum over
+    the bits of |x|, ordered as the magnitudes are (a NaN's above an Inf's, at 0x7F800000), which the GPU reduces
+    with its integer REDUX."""
+    return tl.max(_valid(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, mask, 0, FULL), axis=0)
+
+
+@triton.jit
+def _shift_of(bits):
+    """The int32 exponent e for which |x| (its bits, `_abs_bits`) times 2 ** e lies in [2, 4), clamped to
+    [-126, 127] (127 for zeros; -126 for Inf and NaN, whose sums are not finite anyway)."""
+    return tl.minimum(tl.maximum(128 - (bits >> 23), -126), 127)
+
+
+@triton.jit
+def stats_first(x, mask, n_tile,
+                SUM: tl.constexpr, M2: tl.constexpr, SUMSQ: tl.constexpr,
+                MINMAX: tl.constexpr, COUNTS: tl.constexpr, M34: tl.constexpr, FULL: tl.constexpr,
+                VEC: tl.constexpr = 1):
+    """The statistics of a program's first tile, as the running state that `stats_add` carries over the program's
+    other tiles and `stats_store` reduces once: (shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, zeros).
+
+    x: fp32/fp64 [TILE] values (lanes outside `mask` ignored); n_tile: int64, lanes in `mask` (> 0). The flags are
+    store_partials'; FULL: every lane is valid (the same operations without the mask's selects: the same bits); VEC:
+    the elements of one vector access (16 bytes of the gradient), which one thread holds: each of the running values
+    below is kept per row of VEC lanes ([TILE // VEC]), the row's lanes added first in the thread's registers (a
+    register per row, not per element).
+
+    Per row (fp32; fp64 for fp64 values), summed over the program's tiles: sx, sx2 the values and their squares,
+    scaled by 2 ** shift, a power of two that keeps the largest |x| so far in [2, 4) (exact: the sums have the
+    bits of unscaled ones wherever those neither overflow nor underflow; when a later tile holds a larger value, the
+    sums are rescaled, `stats_add`); sd, sd2 (sd3, sd4 with M34) the scaled deviations from ks, the first tile's
+    scaled mean (a shift: M2 = sum(d^2) - sum(d)^2 / n for any shift; from the first tile's mean, whose squared distance
+    from the program's mean is at most n / n_tile times the program's variance, so the subtraction cancels at most
+    1 + n / n_tile of sum(d^2)); mn, mx the least and largest value; nan, inf, zeros counts (fp32, exact below 2**24
+    per lane). A statistic whose flag is off is an fp32 zero. Scaled, the squares neither overflow nor underflow but
+    where |x| is below 2**-60 of the largest so far, too small to change an fp32 sum of squares (CPU torch's double:
+    no overflow)."""
+    zero = n_tile.to(tl.float32) * 0.0
+    shift = n_tile.to(tl.int32) * 0
+    ks = zero
+    mn = zero
+    mx = zero
+    sx = zero
+    sx2 = zero
+    sd = zero
+    sd2 = zero
+    sd3 = zero
+    sd4 = zero
+    nan = zero
+    inf = zero
+    zeros = zero
+    if SUM or SUMSQ:
+        if x.dtype != tl.float64:
+            shift = _shift_of(_abs_bits(x, mask, FULL))
+            xs = _valid(x * _pow2(shift), mask, 0.0, FULL)
+        else:
+            xs = _valid(x, mask, 0.0, FULL)
+    if SUM:
+        rows = _rows(xs, VEC)
+        sx = rows
+        if M2:
+            ks = tl.sum(rows, axis=0) / n_tile.to(xs.dtype)
+            ks = tl.where(tl.abs(ks) < float("inf"), ks, 0.0)  # an Inf or NaN makes the moments NaN anyway
+            d = _valid(xs - ks, mask, 0.0, FULL)
+            d2 = d * d
+            sd = _rows(d, VEC)
+            sd2 = _rows(d2, VEC)
+            if M34:
+                sd3 = _rows(d2 * d, VEC)
+                sd4 = _rows(d2 * d2, VEC)
+    if SUMSQ:
+        sx2 = _rows(xs * xs, VEC)
+    if MINMAX:
+        mn = tl.min(tl.reshape(_valid(x, mask, float("inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1)
+        mx = tl.max(tl.reshape(_valid(x, mask, float("-inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1)
+    if COUNTS:
+        nan = _rows(_valid(x != x, mask, False, FULL).to(tl.float32), VEC)
+        inf = _rows(_valid(tl.abs(x) == float("inf"), mask, False, FULL).to(tl.float32), VEC)
+        zeros = _rows(_valid(x == 0, mask, False, FULL).to(tl.float32), VEC)
+    return shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, zeros
+
+
+@triton.jit
+def stats_add(x, mask, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, zeros,
+              SUM: tl.constexpr, M2: tl.constexpr, SUMSQ: tl.constexpr,
+              MINMAX: tl.constexpr, COUNTS: tl.constexpr, M34: tl.constexpr, FULL: tl.constexpr,
+              VEC: tl.constexpr = 1):
+    """Add the tile `x` (fp32/fp64 [TILE], lanes outside `mask` ignored) to the running state of `stats_first`, and
+    return it. Per element the sums take an add or a multiply-add each, the zeros a compare and an add; per tile one
+    int32 maximum of |x| (the scale, and whether the tile holds a NaN or an Inf at all); rare: when it finds a larger
+    value than the tiles before, the running sums rescaled by a power of two, and a tile's NaN and Inf counted."""
+    if x.dtype != tl.float64 and (SUM or SUMSQ or COUNTS):
+        bits = _abs_bits(x, mask, FULL)
+    if SUM or SUMSQ:
+        if x.dtype != tl.float64:
+            tile_shift = _shift_of(bits)
+            if tile_shift < shift:
+                delta = tile_shift - shift  # < 0: below -126 the sums so far are negligible against this tile's
+                r = _pow2(tl.maximum(delta, -126))
+                r2 = _pow2(tl.maximum(2 * delta, -126))
+                sx = sx * r
+                sx2 = sx2 * r2
+                ks = ks * r
+                sd = sd * r
+                sd2 = sd2 * r2
+                if M34:
+                    sd3 = sd3 * _pow2(tl.maximum(3 * delta, -126))
+                    sd4 = sd4 * _pow2(tl.maximum(4 * delta, -126))
+                shift = tile_shift
+            xs = _valid(x * _pow2(shift), mask, 0.0, FULL)
+        else:
+            xs = _valid(x, mask, 0.0, FULL)
+    if SUM:
+        sx += _rows(xs, VEC)
+        if M2:
+            d = _valid(xs - ks, mask, 0.0, FULL)
+            d2 = d * d
+            sd += _rows(d, VEC)
+            sd2 += _rows(d2, VEC)
+            if M34:
+                sd3 += _rows(d2 * d, VEC)
+                sd4 += _rows(d2 * d2, VEC)
+    if SUMSQ:
+        sx2 += _rows(xs * xs, VEC)
+    if MINMAX:
+        mn = tl.minimum(mn, tl.min(tl.reshape(_valid(x, mask, float("inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1))
+        mx = tl.maximum(mx, tl.max(tl.reshape(_valid(x, mask, float("-inf"), FULL), [x.shape[0] // VEC, VEC]),
+                                   axis=1))
+    if COUNTS:
+        zeros += _rows(_valid(x == 0, mask, False, FULL).to(tl.float32), VEC)
+        if x.dtype == tl.float64:
+            nan += _rows(_valid(x != x, mask, False, FULL).to(tl.float32), VEC)
+            inf += _rows(_valid(tl.abs(x) == float("inf"), mask, False, FULL).to(tl.float32), VEC)
+        elif bits >= 0x7F800000:  # the tile holds a NaN or an Inf
+            nan += _rows(_valid(x != x, mask, False, FULL).to(tl.float32), VEC)
+            inf += _rows(_valid(tl.abs(x) == float("inf"), mask, False, FULL).to(tl.float32), VEC)
+    return shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, zeros
+
+
+@triton.jit
+def stats_store(out_ptr, n_valid, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, zeros,
+                SUM: tl.constexpr, M2: tl.constexpr, SUMSQ: tl.constexpr,
+                MINMAX: tl.constexpr, COUNTS: tl.constexpr, M34: tl.constexpr):
+    """Reduce the running state of a program's tiles (`stats_first`, `stats_add`) once and store its partials.
+
+    out_ptr: *fp64, N_PARTIALS slots; n_valid: int64, the program's valid lanes (all tiles). The flags choose which
+    partials are computed (the rest is 0). M2 (M3, M4) are about the program's mean: from the deviations' sums d about
+    the shift, M2 = sum(d^2) - sum(d)^2 / n, and M3, M4 corrected for c = sum(d) / n, in fp64."""
+    if SUM or SUMSQ:
+        unscale = ((1023 - shift).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2 ** -shift
+    if SUM:
+        tl.store(out_ptr + 0, tl.sum(sx, axis=0).to(tl.float64) * unscale)
+    if SUMSQ:
+        tl.store(out_ptr + 1, tl.sum(sx2, axis=0).to(tl.float64) * unscale * unscale)
+    if M2:
+        n = n_valid.to(tl.float64)
+        d1 = tl.sum(sd, axis=0).to(tl.float64)
+        d2 = tl.sum(sd2, axis=0).to(tl.float64)
+        # never below 0 (equal deviations can round the difference to -0.0 or a few ulps under)
+        m2 = tl.maximum(d2 - d1 * d1 / n, 0.0)
+        unscale2 = unscale * unscale
+        tl.store(out_ptr + 2, m2 * unscale2)
+        if M34:
+            c = d1 / n  # the program's mean is the shift plus c
+            d3 = tl.sum(sd3, axis=0).to(tl.float64)
+            m3 = d3 - 3.0 * c * d2 + 2.0 * d1 * c * c
+            m4 = tl.sum(sd4, axis=0).to(tl.float64) - 4.0 * c * d3 + 6.0 * c * c * d2 - 3.0 * d1 * c * c * c
+            tl.store(out_ptr + 8, m3 * unscale2 * unscale)
+            tl.store(out_ptr + 9, tl.maximum(m4, 0.0) * unscale2 * unscale2)
+    if MINMAX:
+        # NaN is not left out: a block with a NaN counts it (MINMAX comes with COUNTS), and the merge then makes min,
+        # max and absmax NaN whatever these partials hold
+        tl.store(out_ptr + 3, tl.min(mn, axis=0).to(tl.float64))
+        tl.store(out_ptr + 4, tl.max(mx, axis=0).to(tl.float64))
+    if COUNTS:
+        tl.store(out_ptr + 5, tl.sum(nan, axis=0).to(tl.float64))
+        tl.store(out_ptr + 6, tl.sum(inf, axis=0).to(tl.float64))
+        tl.store(out_ptr + 7, tl.sum(zeros, axis=0).to(tl.float64))
 
 
 @triton.jit
 def store_partials(x, mask, n_valid, out_ptr,
                    SUM: tl.constexpr, M2: tl.constexpr, SUMSQ: tl.constexpr,
                    MINMAX: tl.constexpr, COUNTS: tl.constexpr, M34: tl.constexpr, FULL: tl.constexpr):
-    """Reduce one block and store its partials.
+    """Reduce one block (a program of one tile: a kernel over units) and store its partials: `stats_first`, then
+    `stats_store`, for the counts, the extremes and the sums one after the other (each group's lanes reduced before
+    the next group's are made: fewer registers live at once).
 
-    x: fp32/fp64 [BLOCK] values (lanes outside `mask` ignored); n_valid: int64, lanes in `mask`;
-    out_ptr: *fp64, N_PARTIALS slots. The flags choose which partials are computed (the rest is 0).
-    FULL: every lane is valid (the launch's FULL_BLOCKS: no program's block is partial); the same operations on the
-    same values without the per-element selects of the mask, so the same bits either way for a block of valid lanes.
-    """
-    # the sum of squares of a block with M2 comes from the deviations' sums (below), which needs to know whether
-    # the block holds a NaN
-    SUMSQ_FROM_M2: tl.constexpr = SUMSQ and M2 and x.dtype != tl.float64
-    if COUNTS or SUMSQ_FROM_M2:
-        if x.shape[0] * x.shape[0] <= 16777216:
-            # NaNs and Infs in one sum, packed = BLOCK * inf - nan: they are disjoint, so nan <= BLOCK - inf and
-            # every partial sum lies in [-BLOCK, BLOCK**2], an exact fp32 integer; then inf = ceil(packed / BLOCK)
-            # (at least 0: a block of NaNs alone sums to -BLOCK), nan = BLOCK * inf - packed, exact (BLOCK is a
-            # power of two)
-            packed = tl.sum(_valid(tl.fma((tl.abs(x) == float("inf")).to(tl.float32), x.shape[0],
-                                          -(x != x).to(tl.float32)), mask, 0.0, FULL), axis=0)
-            infs = tl.maximum(tl.ceil(packed * (1.0 / x.shape[0])), 0.0).to(tl.int32)
-            nans = (infs * x.shape[0] - packed.to(tl.int32)).to(tl.float64)
-            infs = infs.to(tl.float64)
-        else:
-            nans = _count(x != x, mask, FULL)
-            infs = _count(tl.abs(x) == float("inf"), mask, FULL)
-        if COUNTS:
-            tl.store(out_ptr + 5, nans)
-            tl.store(out_ptr + 6, infs)
-            tl.store(out_ptr + 7, _count(x == 0, mask, FULL))
+    x: fp32/fp64 [BLOCK] values (lanes outside `mask` ignored); n_valid: int64, lanes in `mask` (> 0); out_ptr:
+    *fp64, N_PARTIALS slots."""
+    if COUNTS:
+        (shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf,
+         zeros) = stats_first(x, mask, n_valid, False, False, False, False, True, False, FULL)
+        stats_store(out_ptr, n_valid, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, zeros,
+                    False, False, False, False, True, False)
     if MINMAX:
-        # NaN is not left out: a block with a NaN counts it (MINMAX comes with COUNTS), and the merge then makes min,
-        # max and absmax NaN whatever these partials hold
-        mn = tl.min(_valid(x, mask, float("inf"), FULL), axis=0)
-        mx = tl.max(_valid(x, mask, float("-inf"), FULL), axis=0)
-        tl.store(out_ptr + 3, mn.to(tl.float64))
-        tl.store(out_ptr + 4, mx.to(tl.float64))
-    if SUMSQ and not (SUM or MINMAX or x.dtype == tl.float64):
-        # squares in fp64: no overflow above ~1.8e19 nor underflow below ~1e-19 (CPU torch's double), with no
-        # reduction first (the largest |x|, which a power-of-two scaling needs, is not known here)
-        x64 = _valid(x, mask, 0.0, FULL).to(tl.float64)
-        tl.store(out_ptr + 1, tl.sum(x64 * x64, axis=0))
-    elif SUM or SUMSQ:
-        if x.dtype == tl.float64:
-            unscale = 1.0
-            xs = x
-        else:
-            # fp32 values are summed, and squared, scaled by a power of two that brings the block's largest |x| into
-            # [2, 4): exact, so the sums have the same bits as unscaled ones wherever those neither overflow nor
-            # underflow; the squares neither overflow (|x| above 1.8e19) nor underflow but where |x| is below 2**-60
-            # of the block's largest, too small to change a float32 sum of squares (CPU torch's double: no overflow)
-            if MINMAX:
-                absmax = tl.maximum(tl.abs(mn), tl.abs(mx))
-            else:
-                absmax = tl.max(_valid(tl.abs(x), mask, 0.0, FULL), axis=0)
-            exponent = ((absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-            shift = tl.minimum(tl.maximum(1 - exponent, -126), 127)
-            xs = x * ((shift + 127) << 23).to(tl.float32, bitcast=True)
-            unscale = ((1023 - shift).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2 ** -shift
-        xs = _valid(xs, mask, 0.0, FULL)
-        if SUMSQ and not SUMSQ_FROM_M2:
-            tl.store(out_ptr + 1, tl.sum(xs * xs, axis=0).to(tl.float64) * unscale * unscale)
-        if SUM:
-            block_sum = tl.sum(xs, axis=0)
-            tl.store(out_ptr + 0, block_sum.to(tl.float64) * unscale)
-            if M2:
-                block_mean = block_sum / n_valid.to(xs.dtype)
-                dev = _valid(xs - block_mean, mask, 0.0, FULL)
-                # the corrected two-pass sum: less (sum of deviations)^2 / n, which takes out what the block mean's
-                # rounding adds (n times its error squared: 1.4e-5 of the variance of 3 values near 5.6e6, unmended);
-                # never below 0 (equal deviations can round the difference to -0.0 or a few ulps under)
-                dev_sum = tl.sum(dev, axis=0)
-                dev2 = dev * dev
-                dev2_sum = tl.sum(dev2, axis=0)
-                m2 = tl.maximum(dev2_sum - dev_sum * dev_sum / n_valid.to(xs.dtype), 0.0)
-                tl.store(out_ptr + 2, m2.to(tl.float64) * unscale * unscale)
-                if SUMSQ_FROM_M2:
-                    # from the deviations' sums, with no square and sum of its own: sum(xs^2) = sum((dev + mean)^2)
-                    # = dev2_sum + mean (2 dev_sum + n mean), in fp64 from fp32 sums: within about 26 fp32 ulps of
-                    # the exact sum (|2 mean dev_sum| is at most the other two terms' sum). A block with an Inf has
-                    # NaN deviations: its sum of squares is Inf, or NaN with a NaN too (told by the NaN count, not by
-                    # a branch: ptxas spilled a register for one).
-                    mean64 = block_mean.to(tl.float64)
-                    sumsq = tl.maximum(dev2_sum.to(tl.float64) + mean64 * (2.0 * dev_sum.to(tl.float64)
-                                                                           + n_valid.to(tl.float64) * mean64),
-                                       0.0, propagate_nan=tl.PropagateNan.ALL)
-                    sumsq = tl.where(absmax < float("inf"), sumsq, tl.where(nans > 0, float("nan"), float("inf")))
-                    tl.store(out_ptr + 1, sumsq * unscale * unscale)
-                if M34:
-                    # about the block's exact mean, which is the rounded one plus c, the deviations' mean
-                    c = dev_sum / n_valid.to(xs.dtype)
-                    dev3_sum = tl.sum(dev2 * dev, axis=0)
-                    m3 = dev3_sum - 3.0 * c * dev2_sum + 2.0 * dev_sum * c * c
-                    m4 = (tl.sum(dev2 * dev2, axis=0) - 4.0 * c * dev3_sum + 6.0 * c * c * dev2_sum
-                          - 3.0 * dev_sum * c * c * c)
-                    unscale2 = unscale * unscale
-                    tl.store(out_ptr + 8, m3.to(tl.float64) * unscale2 * unscale)
-                    tl.store(out_ptr + 9, tl.maximum(m4, 0.0).to(tl.float64) * unscale2 * unscale2)
+        (shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf,
+         zeros) = stats_first(x, mask, n_valid, False, False, False, True, False, False, FULL)
+        stats_store(out_ptr, n_valid, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, zeros,
+                    False, False, False, True, False, False)
+    if SUM or SUMSQ:
+        (shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf,
+         zeros) = stats_first(x, mask, n_valid, SUM, M2, SUMSQ, False, False, M34, FULL)
+        stats_store(out_ptr, n_valid, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, zeros,
+                    SUM, M2, SUMSQ, False, False, M34)
 
 
 @triton.jit

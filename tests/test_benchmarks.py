@@ -210,11 +210,12 @@ def test_clip_step_providers_clip_and_step(provider, monkeypatch):
 def test_interpreter_counts_launches(tmp_path):
     """With TRITON_INTERPRET=1 the real kernels run, and launches are counted at fusedhooks.runtime.launcher.launch."""
     data, _ = run_bench(tmp_path, "--quick", "--workloads", "normalize,amp_clip", "--providers", "fusedhooks",
-                        "--dtype", "fp32", "--sizes", "1K,8K", interpret=True)
+                        "--dtype", "fp32", "--sizes", "1K,64K", interpret=True)
     assert data["fusedhooks_backend"].startswith("triton (interpreter")
     results = by_key(data)
-    for (workload, numel), launches in {("normalize", 1024): 1, ("normalize", 8192): 2,
-                                        ("amp_clip", 1024): 2, ("amp_clip", 8192): 2}.items():
+    # normalize: one program (a launch) up to BLOCK (32K) elements, else the norm's pass and the elementwise pass
+    for (workload, numel), launches in {("normalize", 1024): 1, ("normalize", 65536): 2,
+                                        ("amp_clip", 1024): 2, ("amp_clip", 65536): 2}.items():
         r = results[(workload, "fusedhooks", "fp32", numel)]
         assert r["status"] == "ok" and r["launches"] == launches == r["fusedhooks_plan"]["launches"], r
         assert r["launches_how"].startswith("counted")
@@ -323,9 +324,39 @@ def test_sass_model_counts_by_pipe_and_takes_the_largest_time():
     assert p["bound"] == "conversion" and p["copy_ratio"] == (4 / 400) / (1 / 16)
 
 
+def test_sass_model_counts_the_loop_over_tiles_once_per_tile():
+    """A program's tiles: the instructions outside the loop once, the loop's (its backward branch's range) once per
+    tile after the first, over the tiles unrolled into one of its runs (told by its global loads), the rare block a
+    forward conditional branch skips inside it left out."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sass_model
+
+    sass = """
+        /*0000*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0010*/                   FADD R8, R4, R5 ;
+        /*0020*/              @!P0 BRA 0x90 ;
+        /*0030*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0040*/                   FADD R8, R4, R8 ;
+        /*0050*/               @P1 BRA 0x70 ;
+        /*0060*/                   FMUL R8, R8, 0.5 ;
+        /*0070*/                   IADD3 R2, R2, 0x10, RZ ;
+        /*0080*/              @!P2 BRA 0x30 ;
+        /*0090*/                   EXIT ;
+    """
+    ops = sass_model.executed_opcodes(sass, tiles=5)
+    counts = sass_model.pipe_counts(ops)
+    # outside: LDG, FADD, BRA, EXIT; 4 runs of the loop: LDG, FADD, BRA, IADD3, BRA (the FMUL it skips is rare)
+    assert counts["fp32"] == 1 + 4 and "FMUL" not in ops and ops.count("LDG") == 5 and ops.count("IADD3") == 4
+    assert sass_model.executed_opcodes(sass, tiles=1) == sass_model.opcodes(sass)
+    unrolled = sass.replace("/*0040*/                   FADD",
+                            "/*0040*/    LDG.E.128 R6, desc[UR4][R2.64] ;\n        /*0044*/    FADD")
+    ops = sass_model.executed_opcodes(unrolled, tiles=5)
+    assert ops.count("LDG") == 1 + 2 * 2 and ops.count("IADD3") == 2  # two tiles a run: two runs
+
+
 def test_sass_model_predicts_the_stats_cost_rows(tmp_path):
     """benchmarks/sass_model.py end to end, without a GPU: every stats_cost.py row compiled for sm_90, its SASS read and
-    a time predicted, never faster than the copy, statistics costing more than none."""
+    a time predicted, never faster than the copy, statistics costing more instructions than none."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "model.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_model.py"), "--gpus", "H200", "--dtypes",
@@ -338,5 +369,5 @@ def test_sass_model_predicts_the_stats_cost_rows(tmp_path):
     for r in rows:
         h200 = r["gpus"]["H200"]
         assert h200["time_over_copy"] >= 1.0 and h200["counts"]["issued"] > 0, r
-    by_kernel = {r["kernel"]: r["gpus"]["H200"]["time_over_copy"] for r in rows}
-    assert by_kernel["+ all 13 statistics"] > by_kernel["clip + scale, no statistics"]
+    issued = {r["kernel"]: r["gpus"]["H200"]["counts"]["issued"] for r in rows}  # per program
+    assert issued["+ all, and input statistics"] > issued["+ all 13 statistics"] > issued["clip + scale, no statistics"]

@@ -131,7 +131,8 @@ def kernels(dtypes=("fp32", "bf16", "fp16", "fp64"), only: str | None = None, fu
                 module = generate.load(*generate.generate_with_spec(plan, "cuda"))
                 constexprs = {"ALIGNED": True, "BLOCK": launcher.default_block(dtype), "RBLOCK": launcher.RBLOCK}
                 if module.SPEC.one_pass:
-                    constexprs.update(dims.units_launch(constexprs["BLOCK"], [plan.units.unit_sizes]))
+                    constexprs.update(dims.units_launch(constexprs["BLOCK"], [plan.units.unit_sizes],
+                                                        dtype.itemsize))
                 for name, signature in module.SIGNATURES.items():
                     if "FULL_BLOCKS" in signature:
                         yield family + variant, dname, name, getattr(module, name), signature, constexprs | {

@@ -37,7 +37,8 @@ def generate_with_spec(plan: Plan, device_type: str) -> tuple[str, LaunchSpec]:
         "",
         "from fusedhooks.kernels.elementwise import (bf16_to_fp32, negate, pow_scalar, round_to_bf16, round_to_fp16,",
         "                                            to_bf16)",
-        "from fusedhooks.kernels.stats import finalize_stats, hist_accumulate, hist_flush, store_partials",
+        "from fusedhooks.kernels.stats import (finalize_stats, hist_accumulate, hist_flush, stats_add, stats_first,",
+        "                                      stats_store, store_partials)",
         *(["from fusedhooks.kernels.units import as_units, to_lanes"]
           if plan.units is not None else []),
         "",

@@ -127,7 +127,7 @@ class KernelWriter:
         """(role, source line) of the arguments after `numel` that give the gradient's sizes; none here."""
         return []
 
-    #: the kernels over blocks of BLOCK elements take FULL_BLOCKS (see `partial_lines`)
+    #: the kernels over blocks of BLOCK elements take FULL_BLOCKS (see `tiled`)
     full_blocks = True
 
     def tile_arguments(self) -> list[tuple[str, str]]:
@@ -142,8 +142,38 @@ class KernelWriter:
     # --- pieces --------------------------------------------------------------------------------
 
     def prologue(self) -> list[str]:
-        """The lines before the body of a kernel over blocks of BLOCK elements: `header` and `loads`."""
-        return self.header() + ["offs = pid * BLOCK + tl.arange(0, BLOCK)", "mask = offs < numel"] + self.loads()
+        """The lines before the tiles of a kernel over blocks of BLOCK elements: `header`, the tile's size and the
+        program's valid elements (see `tiled`)."""
+        tile = TILE_ELEMENTS[self.g.grad_dtype]
+        return self.header() + [f"TILE: tl.constexpr = min(BLOCK, {tile})  # elements per step over the block",
+                                "n_valid = tl.minimum(numel - pid * BLOCK, BLOCK).to(tl.int32)  # this program's"]
+
+    def tiled(self, tile_lines: list[str], sets: list[_ReductionSet], per_tile: list[str] = ()) -> list[str]:
+        """A program's block in tiles of TILE elements: `tile_lines` (which read `offs`, `mask`: loads, body, store)
+        for the first tile, the statistics of `sets` started on it (kernels.stats.stats_first), then a loop over the
+        others adding theirs (stats_add); `per_tile` after each tile's statistics (the histogram). The statistics'
+        running state is reduced and stored once per program by `store_lines`: one reduction per statistic per
+        block, not per tile."""
+        full = "FULL_BLOCKS" if self.full_blocks else "False"
+        first = ["offs = pid * BLOCK + tl.arange(0, TILE)", "mask = offs < numel"] + tile_lines
+        rest = ["offs = pid * BLOCK + start + tl.arange(0, TILE)", "mask = offs < numel"] + tile_lines
+        for k, rs in enumerate(sets):
+            flags, vec = _flags(rs), f"VEC={16 // ELEMENT_SIZE[self.g.grad_dtype]}"
+            first.append(f"{_state(k)} = stats_first({rs.x}, mask, tl.minimum(n_valid, TILE), {flags}, FULL={full}, "
+                         f"{vec})")
+            rest.append(f"{_state(k)} = stats_add({rs.x}, mask, {_state(k)}, {flags}, FULL={full}, {vec})")
+        return (first + list(per_tile) + ["for start in range(TILE, n_valid, TILE):"]
+                + ["    " + line for line in rest + list(per_tile)])
+
+    def store_lines(self, sets: list[_ReductionSet], tiled: bool = True) -> list[str]:
+        """Each set's partials row of the program: its running state over the tiles (`tiled`) reduced and stored, or
+        (not tiled: a kernel over units, whose program holds all its elements at once) its values reduced."""
+        lines = []
+        for k, rs in enumerate(sets):
+            row = f"partials_ptr + (pid * {len(sets)} + {k}) * {PARTIAL_WIDTH}"
+            lines.append(f"stats_store({row}, n_valid, {_state(k)}, {_flags(rs)})" if tiled else
+                         f"store_partials({rs.x}, mask, n_valid, {row}, {_flags(rs)}, FULL=False)")
+        return lines
 
     def header(self, programs: int | None = None) -> list[str]:
         """Which program this is (`pid`; for a bucket, of gradient `t`), and the pointers of its gradient.
@@ -207,6 +237,7 @@ class KernelWriter:
         """An emitter that knows the `available` names."""
         em = Emitter(self.plan, self.device_type)
         em.names.update(available)
+        em.block = "TILE"  # the kernels over blocks go over them in tiles (`tiled`)
         return em
 
     def set_value(self, em: Emitter, node: Node, of_abs: bool) -> str:
@@ -250,23 +281,12 @@ class KernelWriter:
     def merge_lines(self, sets: list[_ReductionSet], num_blocks: str, per_program: str = "BLOCK") -> list[str]:
         lines = []
         for k, rs in enumerate(sets):
-            flags = ", ".join(f"{f}={rs.flags.get(f, False)}" for f in PARTIAL_FLAGS)
+            flags = _flags(rs)
             lines.append(f"st = finalize_stats(partials_ptr, {k}, {len(sets)}, numel, {num_blocks}, {per_program}, "
                          "RBLOCK, "
                          f"{rs.correction!r}, {flags})")
             for spec, _node, action in rs.uses:
                 lines.append(action.format(_merged(spec)))
-        return lines
-
-    def partial_lines(self, sets: list[_ReductionSet], per_program: str = "BLOCK") -> list[str]:
-        """The partials of each set; over blocks of BLOCK elements without the mask when FULL_BLOCKS (programs over
-        units keep it)."""
-        full = "FULL_BLOCKS" if self.full_blocks and per_program == "BLOCK" else "False"
-        lines = []
-        for k, rs in enumerate(sets):
-            flags = ", ".join(f"{f}={rs.flags.get(f, False)}" for f in PARTIAL_FLAGS)
-            row = f"partials_ptr + (pid * {len(sets)} + {k}) * {PARTIAL_WIDTH}"
-            lines.append(f"store_partials({rs.x}, mask, n_valid, {row}, {flags}, FULL={full})")
         return lines
 
     def hist_lines(self, out_value: str) -> tuple[list[str], list[str]]:
@@ -288,10 +308,13 @@ class KernelWriter:
     # --- kernels -------------------------------------------------------------------------------
 
     def final_body(self, em: Emitter, single: bool, per_program: str = "BLOCK") -> list[str]:
-        """The elementwise pass: body, store, found_inf, statistics (merged by the last program).
+        """The elementwise pass: loads, body, store, found_inf, statistics (merged by the last program), over the
+        block in tiles (`tiled`).
 
-        per_program: the elements each program covers (a kernel over units: whole units, see `one_pass_kernel`)."""
-        g, ct, lines = self.g, self.ct, []
+        per_program: the elements each program covers (a kernel over units: whole units, see `one_pass_kernel`,
+        whose program holds them all at once: no tiles)."""
+        g, ct = self.g, self.ct
+        lines = self.loads() if per_program == "BLOCK" else []
         em.emit_nodes(self.g.live_nodes())
         out_value = "grad"
         if g.writes or self.plan.amp:
@@ -315,12 +338,18 @@ class KernelWriter:
                       "if bad > 0:", "    tl.store(found_inf_ptr, 1.0)"]
         sets = self.stat_sets(out_value)
         hist_acc, hist_flush = self.hist_lines(out_value)
-        if not sets and not hist_acc:
-            return lines
-        lines.append(f"n_valid = tl.minimum(numel - pid * {per_program}, {per_program})")
-        if single:
-            lines.append("tl.debug_barrier()")
-        lines += self.partial_lines(sets, per_program) + hist_acc
+        if per_program == "BLOCK":
+            lines = self.tiled(lines, sets, hist_acc)
+            if not sets and not hist_acc:
+                return lines
+            if single:
+                lines.append("tl.debug_barrier()")
+            lines += self.store_lines(sets)
+        else:
+            if not sets and not hist_acc:
+                return lines
+            lines.append(f"n_valid = tl.minimum(numel - pid * {per_program}, {per_program})")
+            lines += self.store_lines(sets, tiled=False) + hist_acc
         merge = self.merge_lines(sets, "1" if single else "num_blocks", per_program) + hist_flush
         if single:
             return lines + ["tl.debug_barrier()"] + merge
@@ -348,8 +377,8 @@ class KernelWriter:
         em.emit_nodes(cone(self.g, [x for x in targets if self.units is None or not dims.is_units_value(x)]))
         sets = self.reduction_sets(em, level, lambda n: f"tl.store(reduced_ptr + {self.reduction_slot[n.index]}, "
                                                        f"({{}}).to(tl.float64))  # {n.name}")
-        body = self.prologue() + loads + em.lines + ["n_valid = tl.minimum(numel - pid * BLOCK, BLOCK)"]
-        body += self.partial_lines(sets) + _last_program(self.merge_lines(sets, "num_blocks"))
+        body = self.prologue() + loads + self.tiled(self.loads() + em.lines, sets) + self.store_lines(sets)
+        body += _last_program(self.merge_lines(sets, "num_blocks"))
         return self.kernel(f"reduce_level{level}{self.suffix}", self.signature(), body,
                        f"reduction pass {level}: leaves its results in reduced_ptr")
 
@@ -361,22 +390,21 @@ class KernelWriter:
                        "the elementwise pass, reading the reductions' results")
 
     def single_kernel(self) -> list[str]:
-        """Every pass in one program: the gradient is read from memory once."""
-        em = self.emitter({})
-        body = self.prologue() + ["n_valid = tl.minimum(numel - pid * BLOCK, BLOCK)"]
+        """Every pass in one program (one launch): a pass over the block's tiles per level, its reductions merged in
+        the program, then the elementwise pass (the block's reads after the first come from the cache)."""
+        body = self.prologue()
         for level in range(1, self.plan.levels + 1):
+            available, _ = self.reduced_before(level)
+            em = self.emitter(available)
             targets = [n.args["input"] for n in self.reductions if self.g.depth(n) == level]
             em.emit_nodes(cone(self.g, targets))
-            body += em.lines
-            em.lines = []
             sets = self.reduction_sets(em, level, lambda n: f"r{self.reduction_slot[n.index]} = "
                                                            f"{from_merged(n, '{}')}")
-            body += ["tl.debug_barrier()"] + self.partial_lines(sets) + ["tl.debug_barrier()"]
+            body += self.tiled(self.loads() + em.lines, sets)
+            body += ["tl.debug_barrier()"] + self.store_lines(sets) + ["tl.debug_barrier()"]
             body += self.merge_lines(sets, "1")
-            for n in self.reductions:
-                if self.g.depth(n) == level:
-                    em.names[n.index] = f"r{self.reduction_slot[n.index]}"
-        body += self.final_body(em, single=True)
+        available, _ = self.reduced_before(self.plan.levels + 1)
+        body += self.final_body(self.emitter(available), single=True)
         return self.kernel(f"{KERNEL_NAME}_single", self.signature(), body,
                        "all passes in one program (the gradient fits one block)")
 
@@ -461,6 +489,17 @@ def _last_program(lines: list[str]) -> list[str]:
            ["    " + line for line in lines] + ["    tl.store(counter_ptr, 0)"]
 
 
+def _flags(rs: _ReductionSet) -> str:
+    """The kernels.stats flags of a set, as keyword arguments."""
+    return ", ".join(f"{f}={rs.flags.get(f, False)}" for f in PARTIAL_FLAGS)
+
+
+def _state(k: int) -> str:
+    """The names of statistics set k's running state over a program's tiles (kernels.stats.stats_first)."""
+    return ", ".join(f"s{k}_{part}" for part in ("shift", "ks", "mn", "mx", "sx", "sx2", "sd", "sd2", "sd3", "sd4",
+                                                 "nan", "inf", "zeros"))
+
+
 def _kernel(name: str, args: list[str], body: list[str], doc: str) -> list[str]:
     # Triton turns an integer argument equal to 1 into a constexpr (then `numel.to(...)` fails to compile):
     # a 1-element gradient or bucket must not change the kernel
@@ -500,6 +539,10 @@ _STAT_INDEX = {name: i for i, name in enumerate(ALL_STAT_NAMES)}  # finalize_sta
 
 #: Bytes per element of each gradient dtype
 ELEMENT_SIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
+#: Elements per step of a program over its block (at most BLOCK): with 8 warps, 8 per thread (fp64: 2), one 128-bit
+#: access (fp32: two); the statistics' running sums take a register per 16 bytes of the tile a thread holds
+#: (kernels.stats.stats_first's VEC), not one per element
+TILE_ELEMENTS = {torch.float16: 2048, torch.bfloat16: 2048, torch.float32: 2048, torch.float64: 512}
 
 
 def _storage_type(dtype: torch.dtype) -> str:

@@ -62,6 +62,7 @@ class UnitsKernelWriter(KernelWriter):
         `read` (default: gathers from units_ptr)."""
         em = UnitsEmitter(self.plan, self.device_type, self.units, read or self.gather)
         em.names.update(available)
+        em.block = "TILE"  # as the kernels over blocks' (KernelWriter.emitter); a kernel over units sets its own
         return em
 
     def gather(self, em: UnitsEmitter, r: dims.UnitReduction, m: tuple) -> str:

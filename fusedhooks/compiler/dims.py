@@ -30,9 +30,15 @@ class Unsupported(Exception):
 
 
 def unit_limit(dtype: torch.dtype) -> int:
-    """The most elements of one unit that one program holds with every pass done in registers (the untuned BLOCK,
-    runtime.default_block)."""
-    return 4096 if dtype.itemsize <= 4 else 1024
+    """The most elements of one unit that one program holds with every pass done in registers: the most lanes of a
+    one-pass program over units (`units_launch`), which holds all its elements at once (the kernels over blocks step
+    through theirs in tiles)."""
+    return _lanes_held(dtype.itemsize)
+
+
+def _lanes_held(itemsize: int) -> int:
+    """The most lanes of a program that holds its elements of `itemsize` bytes at once."""
+    return 4096 if itemsize <= 4 else 1024
 
 
 def is_dim_reduction(n: Node) -> bool:
@@ -50,12 +56,14 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def units_launch(block: int, units: list[tuple[int, int]]) -> dict:
+def units_launch(block: int, units: list[tuple[int, int]], itemsize: int) -> dict:
     """UNITS and ELEMENTS of a one-pass launch over whole units (launch_spec.LaunchSpec.one_pass) on gradients of
-    `units` ((units, elements of each) per gradient): ELEMENTS lanes hold the longest unit, UNITS units fill BLOCK
-    lanes (at least one, no more than a gradient has)."""
+    `units` ((units, elements of each) per gradient) of `itemsize` bytes: ELEMENTS lanes hold the longest unit, UNITS
+    units fill BLOCK lanes, at most those a program holds at once (`unit_limit`) (at least one, no more than a
+    gradient has)."""
     elements = next_pow2(max(n for _, n in units))
-    return {"UNITS": max(1, min(block // elements, next_pow2(max(u for u, _ in units)))), "ELEMENTS": elements}
+    lanes = min(block, _lanes_held(itemsize))
+    return {"UNITS": max(1, min(lanes // elements, next_pow2(max(u for u, _ in units)))), "ELEMENTS": elements}
 
 
 @dataclass(frozen=True)

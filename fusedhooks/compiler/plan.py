@@ -116,7 +116,8 @@ class Plan:
 
     @property
     def single_program(self) -> bool:
-        """The gradient fits one program: every pass happens in one launch, reading memory once."""
+        """The gradient fits one program: every pass happens in one launch, reading memory once (the program's later
+        passes over its block, at most BLOCK elements, read it again from the cache)."""
         return self.grid == 1
 
     @property
@@ -189,7 +190,7 @@ class Plan:
             merged = ", statistics merged by the last program (no host sync)" if self.slots else ""
             if self.units is not None and self.units.one_pass:
                 n_units, elements = self.units.unit_sizes
-                meta = dims.units_launch(self.block, [(n_units, elements)])
+                meta = dims.units_launch(self.block, [(n_units, elements)], self.graph.grad_dtype.itemsize)
                 lines.append(f"  launch: {-(-n_units // meta['UNITS']):,} programs x {meta['UNITS']} units of "
                              f"{meta['ELEMENTS']} lanes{merged}")
             elif self.units is not None:

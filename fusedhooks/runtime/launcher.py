@@ -22,7 +22,7 @@ RBLOCK = 256
 #: Elements per program, for every gradient size and device (float64: half as many, see default_block). One BLOCK
 #: for all sizes makes a gradient's statistics bit-identical whether it is processed alone or in a bucket with
 #: others (same blocks, same reduction order). FUSEDHOOKS_BLOCK overrides it.
-DEFAULT_BLOCK = 4096
+DEFAULT_BLOCK = 32768
 
 
 def default_block(dtype: torch.dtype) -> int:
@@ -309,7 +309,7 @@ def bind_single(module, numel: int, hint: bool, device: torch.device, dtype: tor
     meta = kernel_meta(module, device, numel, block, hint, dtype, numel % block == 0)
     values = {"numel": numel}
     if module.SPEC.one_pass:
-        meta.update(units_launch(block, [units]))
+        meta.update(units_launch(block, [units], dtype.itemsize))
         grid = -(-units[0] // meta["UNITS"])
         values.update(n_units=units[0], unit_numel=units[1])
     if config:
@@ -516,7 +516,7 @@ def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: in
     addresses unset (see `BucketTable.point_to`); spec: the kernels' LaunchSpec; units: (units, elements of each)
     per gradient, for a one-pass kernel over units (its programs hold UNITS units, not BLOCK elements)."""
     n = len(numels)
-    units_meta = units_launch(block, units) if spec.one_pass else {}
+    units_meta = units_launch(block, units, element_size) if spec.one_pass else {}
     if spec.one_pass:
         blocks = [-(-u // units_meta["UNITS"]) for u, _ in units]
     else:

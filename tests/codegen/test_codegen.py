@@ -48,7 +48,8 @@ def test_offsets_are_int64():
     (exercised on a real >2**31-element gradient by tests/test_gpu.py)."""
     src = fh.grad_hook(clip, stats="all").source(torch.bfloat16)
     assert "pid = tl.program_id(0).to(tl.int64)" in src
-    assert "offs = pid * BLOCK + tl.arange(0, BLOCK)" in src
+    # the program's first tile, then the others
+    assert "offs = pid * BLOCK + tl.arange(0, TILE)" in src and "offs = pid * BLOCK + start + tl.arange(0, TILE)" in src
 
 
 def test_one_launch_for_body_and_statistics(monkeypatch):
@@ -83,11 +84,12 @@ def test_sizes_are_never_specialized_into_constants():
 
 
 def _cuda_body(fn, dtype, monkeypatch) -> str:
-    """The computing lines of the source generated for CUDA (as compiled on a GPU: outside the interpreter)."""
+    """The computing lines of the source generated for CUDA (as compiled on a GPU: outside the interpreter), of the
+    program's first tile (the loop over the others repeats them)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     src = fh.grad_hook(fn).source(dtype, "cuda")
-    return "\n".join(line.strip() for line in src.split("def fused_hook(")[1].split("def fused_hook_multi(")[0]
-                     .splitlines() if line.strip().startswith("v"))
+    first_tile = src.split("def fused_hook(")[1].split("def fused_hook_multi(")[0].split("for start in range(")[0]
+    return "\n".join(line.strip() for line in first_tile.splitlines() if line.strip().startswith("v"))
 
 
 def test_cuda_source_follows_torchs_cuda_kernels(monkeypatch):

@@ -81,8 +81,8 @@ def check(family, hook, dtype, shape, mode, warnings, amp=False) -> str:
     launches = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_mutation]
     numel = grad.numel()
     block = runtime.block_size(module, torch.device("cuda"), dtype)
-    blocks = -(-plan.units.unit_sizes[0] // runtime.units_launch(block, [plan.units.unit_sizes])["UNITS"]) \
-        if spec.one_pass else -(-numel // block)
+    units = runtime.units_launch(block, [plan.units.unit_sizes], dtype.itemsize)["UNITS"] if spec.one_pass else None
+    blocks = -(-plan.units.unit_sizes[0] // units) if spec.one_pass else -(-numel // block)
     names = spec.kernels_for(blocks)
     assert len(launches) == len(names), f"{where}: {len(launches)} launches traced, {names} expected"
     written, allocated = set(), {}
