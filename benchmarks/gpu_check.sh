@@ -93,7 +93,8 @@ step published 40 "$PY" benchmarks/run.py --device cuda --workloads clip_step --
 # benchmarks/sass_model.py predicts from each kernel's SASS (compiled here: about 1 s a kernel); the table lands in
 # steps.log, and checks the kernels and the model at once.
 step stats-cost 50 "$PY" benchmarks/stats_cost.py --size 256M
-# bf16 moves half the bytes per program at the default BLOCK (4096 elements): the same table at 8192
+# The default BLOCK is 32768 elements a program in tiles of 2048: the same table at 8192 (4 tiles a program, four
+# times the programs), to see whether more programs in flight beat fewer reductions
 step stats-8192 12 env FUSEDHOOKS_BLOCK=8192 "$PY" benchmarks/stats_cost.py --size 256M --dtypes bf16 --no-predict
 # Host time per firing through Triton's dispatch and through fusedhooks' direct launch of the compiled kernel
 # (fastlaunch): the GPT-2 step measured 40-75 us per firing where fusedhooks' own Python is about 8 (tables in steps.log)

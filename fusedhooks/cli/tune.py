@@ -34,7 +34,9 @@ def default_hook() -> GradHook:
 
 
 def candidates(device: torch.device, quick: bool) -> list[dict]:
-    blocks = (2048, 4096) if quick else (1024, 2048, 4096, 8192)
+    """The launch configurations tune tries: BLOCKs of 2 to 32 tiles a program, around the default
+    (runtime.launcher.DEFAULT_BLOCK; quick: two small ones, for the interpreter), and warps and stages on CUDA."""
+    blocks = (2048, 4096) if quick else (4096, 8192, 16384, 32768, 65536)
     warps = (4,) if quick or device.type != "cuda" else (4, 8, 16)
     stages = (1,) if quick or device.type != "cuda" else (1, 2, 3)
     return [{"block": b, "num_warps": w, "num_stages": s} for b, w, s in itertools.product(blocks, warps, stages)]
