@@ -31,6 +31,42 @@ def _rows(v, V: tl.constexpr):
 
 
 @triton.jit
+def _row_extremes(x, mask, FULL: tl.constexpr, VEC: tl.constexpr):
+    """(least, largest) value of each V adjacent valid lanes of x [TILE] ([TILE // VEC] each; +Inf, -Inf for none)."""
+    mn = tl.min(tl.reshape(_valid(x, mask, float("inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1)
+    mx = tl.max(tl.reshape(_valid(x, mask, float("-inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1)
+    return mn, mx
+
+
+@triton.jit
+def _count_rows(flags, mask, FULL: tl.constexpr, VEC: tl.constexpr):
+    """How many valid lanes of each VEC adjacent ones have `flags` set, as fp32 ([TILE // VEC])."""
+    return _rows(_valid(flags, mask, False, FULL).to(tl.float32), VEC)
+
+
+@triton.jit
+def _scaled(x, mask, shift, FULL: tl.constexpr):
+    """x times 2 ** shift (fp32; fp64 x as it is), 0 in the lanes outside `mask`."""
+    if x.dtype != tl.float64:
+        return _valid(x * _pow2(shift), mask, 0.0, FULL)
+    else:
+        return _valid(x, mask, 0.0, FULL)
+
+
+@triton.jit
+def _deviation_rows(xs, ks, mask, M34: tl.constexpr, FULL: tl.constexpr, VEC: tl.constexpr):
+    """Per row of VEC lanes, the sums of the deviations d = xs - ks and of d^2 (and d^3, d^4 with M34, else 0)."""
+    d = _valid(xs - ks, mask, 0.0, FULL)
+    d2 = d * d
+    sd3 = ks * 0.0
+    sd4 = sd3
+    if M34:
+        sd3 = _rows(d2 * d, VEC)
+        sd4 = _rows(d2 * d2, VEC)
+    return _rows(d, VEC), _rows(d2, VEC), sd3, sd4
+
+
+@triton.jit
 def _pow2(e):
     """2.0 ** e as fp32, for int32 e in [-126, 127] (exact)."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -89,34 +125,24 @@ def stats_first(x, mask, n_tile,
     nan = zero
     inf = zero
     zeros = zero
+    if (SUM or SUMSQ) and x.dtype != tl.float64:
+        shift = _shift_of(_abs_bits(x, mask, FULL))
     if SUM or SUMSQ:
-        if x.dtype != tl.float64:
-            shift = _shift_of(_abs_bits(x, mask, FULL))
-            xs = _valid(x * _pow2(shift), mask, 0.0, FULL)
-        else:
-            xs = _valid(x, mask, 0.0, FULL)
+        xs = _scaled(x, mask, shift, FULL)
     if SUM:
-        rows = _rows(xs, VEC)
-        sx = rows
+        sx = _rows(xs, VEC)
         if M2:
-            ks = tl.sum(rows, axis=0) / n_tile.to(xs.dtype)
+            ks = tl.sum(sx, axis=0) / n_tile.to(xs.dtype)
             ks = tl.where(tl.abs(ks) < float("inf"), ks, 0.0)  # an Inf or NaN makes the moments NaN anyway
-            d = _valid(xs - ks, mask, 0.0, FULL)
-            d2 = d * d
-            sd = _rows(d, VEC)
-            sd2 = _rows(d2, VEC)
-            if M34:
-                sd3 = _rows(d2 * d, VEC)
-                sd4 = _rows(d2 * d2, VEC)
+            sd, sd2, sd3, sd4 = _deviation_rows(xs, ks, mask, M34, FULL, VEC)
     if SUMSQ:
         sx2 = _rows(xs * xs, VEC)
     if MINMAX:
-        mn = tl.min(tl.reshape(_valid(x, mask, float("inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1)
-        mx = tl.max(tl.reshape(_valid(x, mask, float("-inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1)
+        mn, mx = _row_extremes(x, mask, FULL, VEC)
     if COUNTS:
-        nan = _rows(_valid(x != x, mask, False, FULL).to(tl.float32), VEC)
-        inf = _rows(_valid(tl.abs(x) == float("inf"), mask, False, FULL).to(tl.float32), VEC)
-        zeros = _rows(_valid(x == 0, mask, False, FULL).to(tl.float32), VEC)
+        nan = _count_rows(x != x, mask, FULL, VEC)
+        inf = _count_rows(tl.abs(x) == float("inf"), mask, FULL, VEC)
+        zeros = _count_rows(x == 0, mask, FULL, VEC)
     return shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, zeros
 
 
@@ -147,33 +173,30 @@ def stats_add(x, mask, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, 
                     sd3 = sd3 * _pow2(tl.maximum(3 * delta, -126))
                     sd4 = sd4 * _pow2(tl.maximum(4 * delta, -126))
                 shift = tile_shift
-            xs = _valid(x * _pow2(shift), mask, 0.0, FULL)
-        else:
-            xs = _valid(x, mask, 0.0, FULL)
+        xs = _scaled(x, mask, shift, FULL)
     if SUM:
         sx += _rows(xs, VEC)
         if M2:
-            d = _valid(xs - ks, mask, 0.0, FULL)
-            d2 = d * d
-            sd += _rows(d, VEC)
-            sd2 += _rows(d2, VEC)
+            tile_sd, tile_sd2, tile_sd3, tile_sd4 = _deviation_rows(xs, ks, mask, M34, FULL, VEC)
+            sd += tile_sd
+            sd2 += tile_sd2
             if M34:
-                sd3 += _rows(d2 * d, VEC)
-                sd4 += _rows(d2 * d2, VEC)
+                sd3 += tile_sd3
+                sd4 += tile_sd4
     if SUMSQ:
         sx2 += _rows(xs * xs, VEC)
     if MINMAX:
-        mn = tl.minimum(mn, tl.min(tl.reshape(_valid(x, mask, float("inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1))
-        mx = tl.maximum(mx, tl.max(tl.reshape(_valid(x, mask, float("-inf"), FULL), [x.shape[0] // VEC, VEC]),
-                                   axis=1))
+        tile_mn, tile_mx = _row_extremes(x, mask, FULL, VEC)
+        mn = tl.minimum(mn, tile_mn)
+        mx = tl.maximum(mx, tile_mx)
     if COUNTS:
-        zeros += _rows(_valid(x == 0, mask, False, FULL).to(tl.float32), VEC)
+        zeros += _count_rows(x == 0, mask, FULL, VEC)
         if x.dtype == tl.float64:
-            nan += _rows(_valid(x != x, mask, False, FULL).to(tl.float32), VEC)
-            inf += _rows(_valid(tl.abs(x) == float("inf"), mask, False, FULL).to(tl.float32), VEC)
+            nan += _count_rows(x != x, mask, FULL, VEC)
+            inf += _count_rows(tl.abs(x) == float("inf"), mask, FULL, VEC)
         elif bits >= 0x7F800000:  # the tile holds a NaN or an Inf
-            nan += _rows(_valid(x != x, mask, False, FULL).to(tl.float32), VEC)
-            inf += _rows(_valid(tl.abs(x) == float("inf"), mask, False, FULL).to(tl.float32), VEC)
+            nan += _count_rows(x != x, mask, FULL, VEC)
+            inf += _count_rows(tl.abs(x) == float("inf"), mask, FULL, VEC)
     return shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, zeros
 
 

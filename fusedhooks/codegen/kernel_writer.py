@@ -157,8 +157,9 @@ class KernelWriter:
         full = "FULL_BLOCKS" if self.full_blocks else "False"
         first = ["offs = pid * BLOCK + tl.arange(0, TILE)", "mask = offs < numel"] + tile_lines
         rest = ["offs = pid * BLOCK + start + tl.arange(0, TILE)", "mask = offs < numel"] + tile_lines
+        vec = f"VEC={16 // ELEMENT_SIZE[self.g.grad_dtype]}"
         for k, rs in enumerate(sets):
-            flags, vec = _flags(rs), f"VEC={16 // ELEMENT_SIZE[self.g.grad_dtype]}"
+            flags = _flags(rs)
             first.append(f"{_state(k)} = stats_first({rs.x}, mask, tl.minimum(n_valid, TILE), {flags}, FULL={full}, "
                          f"{vec})")
             rest.append(f"{_state(k)} = stats_add({rs.x}, mask, {_state(k)}, {flags}, FULL={full}, {vec})")
@@ -176,7 +177,8 @@ class KernelWriter:
         return lines
 
     def header(self, programs: int | None = None) -> list[str]:
-        """Which program this is (`pid`; for a bucket, of gradient `t`), and the pointers of its gradient.
+        """Which program this is (`pid`; for a bucket, of gradient `t`), the pointers of its gradient, and for AMP the
+        inverse of the scaler's scale (read once per program, not per tile: `loads` uses it).
 
         programs: programs per gradient of a kernel over units (fusedhooks.dims), else over blocks of BLOCK."""
         g = self.g
@@ -216,19 +218,20 @@ class KernelWriter:
         lines.append("    grad_ptr = tl.multiple_of(grad_ptr, 16)")
         if g.uses_param:
             lines.append("    param_ptr = tl.multiple_of(param_ptr, 16)")
-        return lines
-
-    def loads(self) -> list[str]:
-        """The gradient (unscaled for AMP) and the parameter at `offs`, `mask`."""
-        ct, g = self.ct, self.g
-        lines = [f"grad = {widen('tl.load(grad_ptr + offs, mask=mask, other=0)', g.grad_dtype)}"]
         if self.plan.amp:
             # as torch._amp_foreach_non_finite_check_and_unscale_: grad * fp32(1 / fp64(scale))
             inv = "(1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)"
-            if ct != "tl.float32":
-                inv += f".to({ct})"
-            lines += ["scaled = grad", f"inv_scale = {inv}",
-                      f"grad = {rounded('scaled * inv_scale', g.grad_dtype)}"]
+            if self.ct != "tl.float32":
+                inv += f".to({self.ct})"
+            lines.append(f"inv_scale = {inv}")
+        return lines
+
+    def loads(self) -> list[str]:
+        """The gradient (unscaled for AMP, by the `inv_scale` of `header`) and the parameter at `offs`, `mask`."""
+        g = self.g
+        lines = [f"grad = {widen('tl.load(grad_ptr + offs, mask=mask, other=0)', g.grad_dtype)}"]
+        if self.plan.amp:
+            lines += ["scaled = grad", f"grad = {rounded('scaled * inv_scale', g.grad_dtype)}"]
         if g.uses_param:
             lines.append(f"param = {widen('tl.load(param_ptr + offs, mask=mask, other=0)', g.grad_dtype)}")
         return lines
