@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_check.sh            # on a machine with a CUDA GPU (H100/H200), torch and triton installed
 #
-# Everything lands in one folder, $OUT when set, else ./bench_out, as at most 8 files:
+# Everything lands in one folder, $OUT when set, else ./bench_out, as at most 10 files:
 #   summary.txt     the machine (GPU, driver, versions, git revision) and every step's exit status and seconds
 #                   (124: its time limit was hit)
 #   steps.log       every step's output, one section per step (the statistics-cost table among them)
@@ -13,6 +13,7 @@
 #   tuning.json     the launch configurations `python -m fusedhooks tune` wrote on this GPU
 #   results.json, results.md              the full benchmark (tables in the .md, every figure in the .json)
 #   published.json, published.md          clip + fused AdamW step of one 1.54 B element bf16 gradient
+#   units.json, units.md                  AGC, centre the columns, normalise: fusedhooks against torch.compile
 #
 # Written for torch 2.11 / triton 3.6 with no network: nothing is downloaded. Each step has its own time limit
 # (SIGINT first, so pytest and the benchmark still report what they did), and a failing step does not stop the
@@ -50,7 +51,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit into steps.log, 
     printf '%-12s exit %3d  %4ds  (limit %ss)\n' "$name" "$status" $((SECONDS - start)) "$limit" | tee -a "$summary"
 }
 
-# Budget (seconds): 30 + 45 + 110 + 50 + 35 + 40 + 50 + 12 + 2 x 15 + 83 = 485, and at most 10 s more per step
+# Budget (seconds): 30 + 45 + 110 + 50 + 35 + 40 + 50 + 12 + 2 x 15 + 25 + 58 = 485, and at most 10 s more per step
 # that ignores SIGINT. Measured on the H200: install 2 s, build 34 s (its families built in parallel), gpu-tests
 # 70-88 s, tune 11 s, published 11 s, stats-cost 18 s; tests and bench use all the time they are given.
 # The benchmark gets the most: only this machine can measure it (the CPU runs every test, in the Triton interpreter).
@@ -102,10 +103,15 @@ for fast in 0 1; do
     step "launch-fast=$fast" 15 env FUSEDHOOKS_FAST_LAUNCH=$fast "$PY" benchmarks/run.py --device cuda --dtype fp32 \
         --sizes 64K --workloads clip_scale --providers fusedhooks,eager --out "$scratch/launch$fast"
 done
-step bench     83 "$PY" benchmarks/run.py --device cuda --out "$scratch/bench" --budget-s 60 --sizes 16M,256M \
-    --workloads clip_stats,model,overhead,clip_scale,amp_clip,normalize,agc,center_columns
+# The workloads whose bodies reduce (issue 34 §5): one 256M-element gradient, fusedhooks against torch.compile of the
+# same hook, fp32 and bf16; sass_model.py's second table (docs/benchmarks.md) predicted each
+step units     25 "$PY" benchmarks/run.py --device cuda --out "$scratch/units" --budget-s 18 --sizes 256M \
+    --workloads agc,center_columns,normalize --providers fusedhooks,torch.compile
+step bench     58 "$PY" benchmarks/run.py --device cuda --out "$scratch/bench" --budget-s 45 --sizes 16M,256M \
+    --workloads clip_stats,model,overhead,clip_scale,amp_clip
 for name in results.json results.md; do
     [ -f "$scratch/bench/$name" ] && cp "$scratch/bench/$name" "$out/$name"
+    [ -f "$scratch/units/$name" ] && cp "$scratch/units/$name" "$out/units.${name#results.}"
     [ -f "$scratch/published/$name" ] && cp "$scratch/published/$name" "$out/published.${name#results.}"
 done
 rm -rf "$scratch"

@@ -1,6 +1,6 @@
 """A static throughput model of the fused pass: a hook's kernel compiled for a GPU (no GPU needed), its SASS read,
-its instructions counted by pipe, and its time predicted against a copy of the same bytes. A proxy between GPU runs,
-never a substitute for one: every figure it prints is a prediction.
+its instructions counted by pipe, and its time predicted against a copy of the gradient (a read and a write). A proxy
+between GPU runs, never a substitute for one: every figure it prints is a prediction.
 
     python benchmarks/sass_model.py                    # the rows of stats_cost.py on an H200, an H100 and an A100
     python benchmarks/sass_model.py --gpus H200 --json model.json
@@ -19,8 +19,11 @@ W x 32 x N_p / R_p clocks per
 program, N_p the program's instructions on p and R_p the pipe's results per clock per SM (CUDA C++ Programming Guide,
 "Arithmetic Instructions", throughput table, compute capabilities 8.0 and 9.0); its four schedulers issue at most 4
 warp-instructions per clock. The kernel's time is the largest of the pipes' times, the issue time and the memory time
-(its bytes at the copy bandwidth of that GPU); "x copy" is the copy's time over the kernel's, the fraction of a
-copy's bandwidth it reaches. Not modelled: latency the warps cannot hide, clocks below boost under load, caches.
+(its bytes at the copy bandwidth of that GPU). The tables print the kernel's time over a copy's of the gradient (a
+read and a write, as stats_cost.py measures): 1.00 for a read-and-write pass at the copy's bandwidth, 0.50 for a
+read-only one. A plan of several kernels (a reduction pass, then the elementwise one) takes the sum of their times;
+a reduction pass over units has no tile before its loop (its loop runs once per tile). Not modelled: latency the
+warps cannot hide, clocks below boost under load, caches.
 """
 
 from __future__ import annotations
@@ -96,6 +99,14 @@ MEASURED_TIME_OVER_COPY = {
              "no body, all statistics (read only)": 2.84},
 }
 
+#: The first GPU run's other workloads (H200, one gradient of 256M elements, 201b840; docs/benchmarks.md): median µs
+#: of fusedhooks and of torch.compile of the same hook, and of the copy of the same gradient (read + write at the
+#: measured 4.25 TB/s fp32, 4.16 TB/s bf16)
+MEASURED_WORKLOAD_US = {
+    "fp32": {"copy": 505.3, "normalize": (867, 833), "agc": (743, 744), "center_columns": (1186, 775)},
+    "bf16": {"copy": 258.1, "normalize": (509, 734), "agc": (633, 373), "center_columns": (1024, 552)},
+}
+
 _SASS_LINE = re.compile(r"/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,5})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
 _TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
@@ -106,30 +117,49 @@ def opcodes(sass: str) -> list[str]:
     return _SASS_LINE.findall(sass)
 
 
-def executed_opcodes(sass: str, tiles: int) -> list[str]:
+def executed_opcodes(sass: str, tiles: int, tile_load_bytes: float | None = None) -> list[str]:
     """The opcodes a program of `tiles` tiles executes, each as often as it runs: the instructions outside the loop
     once, the loop's (its backward branch's range) for every tile after the first, over the tiles unrolled into one
     of its runs (its global loads over those outside); inside the loop, blocks that a forward conditional branch skips
-    are the rare paths, left out. Without a loop (one tile), every instruction once."""
+    are the rare paths, left out. Without a loop (one tile), every instruction once.
+
+    tile_load_bytes: for a loop over every tile (none before it: the reduction passes over units), the bytes a thread
+    loads per tile; the loop then runs `tiles` times over the tiles unrolled into one run (its loads' bytes over
+    these)."""
     code = []
     for address, predicate, opcode, operands in _INSTRUCTION.findall(sass):
         target = _TARGET.search(operands) if opcode == "BRA" else None
-        code.append((int(address, 16), opcode, bool(predicate), int(target.group(1), 16) if target else None))
-    loops = [(target, address) for address, opcode, _, target in code if target is not None and target < address]
-    if not loops or tiles <= 1:
-        return [opcode for _, opcode, _, _ in code]
+        code.append((int(address, 16), opcode, bool(predicate), int(target.group(1), 16) if target else None,
+                     _load_bytes(opcode, operands)))
+    loops = [(target, address) for address, opcode, _, target, _ in code if target is not None and target < address]
+    if not loops or (tiles <= 1 and tile_load_bytes is None):
+        return [opcode for _, opcode, _, _, _ in code]
     start, end = max(loops, key=lambda loop: loop[1] - loop[0])
-    rare = [(address, target) for address, opcode, predicated, target in code
+    rare = [(address, target) for address, opcode, predicated, target, _ in code
             if predicated and target is not None and start <= address < target <= end]
-    inside = [opcode for address, opcode, _, _ in code
-              if start <= address <= end and not any(a < address < t for a, t in rare)]
-    outside = [opcode for address, opcode, _, _ in code if not start <= address <= end]
-    per_run = max(1, round(inside.count("LDG") / max(1, outside.count("LDG"))))
-    runs = (tiles - 1) / per_run
+    kept = [(opcode, loaded) for address, opcode, _, _, loaded in code
+            if start <= address <= end and not any(a < address < t for a, t in rare)]
+    inside = [opcode for opcode, _ in kept]
+    outside = [opcode for address, opcode, _, _, _ in code if not start <= address <= end]
+    if tile_load_bytes is None:
+        per_run = max(1, round(inside.count("LDG") / max(1, outside.count("LDG"))))
+        runs = (tiles - 1) / per_run
+    else:
+        per_run = max(1, round(sum(loaded for _, loaded in kept) / tile_load_bytes))
+        runs = tiles / per_run
     counts = collections.Counter(outside)
     for opcode, n in collections.Counter(inside).items():
         counts[opcode] += n * runs
     return [opcode for opcode, n in counts.items() for _ in range(round(n))]
+
+
+def _load_bytes(opcode: str, operands: str) -> int:
+    """Bytes one thread's global load `opcode` (its modifiers lead `operands`: LDG.E.128 ...) reads."""
+    if opcode != "LDG":
+        return 0
+    modifiers = set(operands.split()[0].split(".")) if operands.strip() else set()
+    sizes = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+    return next((size for m, size in sizes.items() if m in modifiers), 4)
 
 
 def pipe_counts(ops: list[str]) -> dict[str, int]:
@@ -170,11 +200,32 @@ def bytes_per_element(hook, dtype) -> int:
     return (2 if hook.graph(dtype).writes else 1) * dtype.itemsize
 
 
-def predicted_time_over_copy(hook, dtype, gpu: Gpu) -> float:
-    """The predicted time of `hook`'s one-pass kernel for `dtype` on `gpu`, over a copy of the same bytes."""
-    sass, block, warps = kernel_sass(hook, dtype, gpu.arch)
-    ops = executed_opcodes(sass, tiles_per_program(block, dtype))
-    return 1 / predict(pipe_counts(ops), gpu, block, warps, bytes_per_element(hook, dtype))["copy_ratio"]
+@dataclass(frozen=True)
+class Pass:
+    """One kernel of a hook's plan as the model counts it: its SASS, a program's `elements` in `tiles` steps (the
+    first before the loop when `peeled`, else every one in it, a thread loading `tile_load_bytes` per step), its
+    warps, and the bytes it moves per element of the gradient."""
+
+    name: str
+    sass: str
+    elements: int
+    tiles: int
+    peeled: bool
+    tile_load_bytes: float | None
+    warps: int
+    bytes_per_element: int
+
+    def counts(self) -> dict[str, int]:
+        """Instructions a program executes, by pipe (executed_opcodes, pipe_counts)."""
+        return pipe_counts(executed_opcodes(self.sass, self.tiles, None if self.peeled else self.tile_load_bytes))
+
+
+def predicted_time_over_copy(hook, dtype, gpu: Gpu, shape: tuple[int, ...] | None = None) -> float:
+    """The predicted time of `hook`'s kernels for one `dtype` gradient (of `shape` when its body reduces over
+    dimensions, else of many blocks) on `gpu`, over a copy of the gradient: the sum of its passes' times."""
+    seconds = sum(predict(p.counts(), gpu, p.elements, p.warps, p.bytes_per_element)["seconds_per_element"]
+                  for p in plan_passes(hook, dtype, gpu.arch, shape))
+    return seconds / (2 * dtype.itemsize / gpu.copy_bytes_per_s)
 
 
 def tiles_per_program(block: int, dtype) -> int:
@@ -185,7 +236,8 @@ def tiles_per_program(block: int, dtype) -> int:
 
 
 def _without_merge(source: str) -> str:
-    """The generated source without the last program's merge (`if done == num_blocks - 1:` and its block)."""
+    """The generated source without the last program's merge (`if done == ...:` and its block: the statistics' or
+    the reduction passes' over units)."""
     lines, out, skipping = source.splitlines(), [], None
     for line in lines:
         indent = len(line) - len(line.lstrip())
@@ -194,47 +246,86 @@ def _without_merge(source: str) -> str:
                 skipping = None
             else:
                 continue
-        if line.strip().startswith("if done == num_blocks - 1:"):
+        if line.strip().startswith("if done == "):
             skipping = indent
-            out.append(line.replace("if done == num_blocks - 1:", "if done == -1:  # the merge, left out"))
+            out.append(" " * indent + "if done == -1:  # the merge, left out")
             out.append(" " * (indent + 4) + "pass")
             continue
         out.append(line)
     return "\n".join(out) + "\n"
 
 
-def kernel_sass(hook, dtype, arch: int) -> tuple[str, int, int]:
-    """(SASS, BLOCK, warps) of `hook`'s single-gradient kernel for `dtype` on sm_`arch`, without the merge."""
+def plan_passes(hook, dtype, arch: int, shape: tuple[int, ...] | None = None) -> list[Pass]:
+    """The kernels `hook` launches for one `dtype` gradient (of `shape` when its body reduces over dimensions, else
+    of 256M elements), compiled for sm_`arch` without their last program's merge. Left out: a whole-tensor reduction
+    of values reduced over dimensions (one program over one value per unit)."""
+    import math
+
     import torch  # noqa: F401  (fusedhooks needs it first)
+
+    from fusedhooks.codegen.generate import generate_with_spec
+    from fusedhooks.codegen.kernel_cache import load
+    from fusedhooks.compiler import dims
+    from fusedhooks.compiler.plan import make_plan
+    from fusedhooks.runtime.launcher import RBLOCK, default_block, default_num_warps
+
+    block = default_block(dtype)
+    numel = math.prod(shape) if shape else 1 << 28
+    graph = hook.graph(dtype, shape if hook.reduces_over_dims else None)
+    plan = make_plan(graph, hook.stat_names, hook.input_stat_names, numel=numel, hist_range=hook.hist_range,
+                     block=block)
+    source, spec = generate_with_spec(plan, "cuda")
+    module = load(_without_merge(source), spec)
+    units_reductions = {}
+    if plan.units is not None and not spec.one_pass:
+        for launch in plan.units.schedule(graph):
+            if launch[0] == "units":
+                _, level, k, group = launch
+                units_reductions[f"reduce_units{level}_{k}"] = group[0]
+    passes = []
+    for name in spec.kernels:
+        if name.startswith("reduce_whole"):
+            continue
+        fn = getattr(module, name)
+        signature = module.SIGNATURES[name]
+        constexprs = {"ALIGNED": True, "BLOCK": block, "RBLOCK": RBLOCK, "FULL_BLOCKS": True}
+        if spec.one_pass:
+            constexprs.update(dims.units_launch(block, [plan.units.unit_sizes], dtype.itemsize))
+        constexprs = {k: v for k, v in constexprs.items() if k in signature}
+        warps = default_num_warps(block, dtype)
+        reads = sum(f"tl.load({ptr} + offs" in fn.src for ptr in ("grad_ptr", "param_ptr"))
+        moved = (reads + ("tl.store(grad_ptr + offs" in fn.src)) * dtype.itemsize
+        if name in units_reductions:
+            r = units_reductions[name]
+            tile = plan.units.reduce_tile(r)
+            _, span = plan.units.reduce_splits(r)
+            tiles = -(-span // tile.elements)
+            passes.append(Pass(name, _sass(fn, signature, constexprs, warps, arch), tile.units * span, tiles, False,
+                               tile.size * reads * dtype.itemsize / (warps * 32), warps, moved))
+        elif spec.one_pass:
+            passes.append(Pass(name, _sass(fn, signature, constexprs, warps, arch),
+                               constexprs["UNITS"] * constexprs["ELEMENTS"], 1, True, None, warps, moved))
+        else:
+            passes.append(Pass(name, _sass(fn, signature, constexprs, warps, arch), block,
+                               tiles_per_program(block, dtype), True, None, warps, moved))
+    return passes
+
+
+def _sass(fn, signature: dict, constexprs: dict, warps: int, arch: int) -> str:
+    """The SASS of Triton kernel `fn` compiled for sm_`arch` (pointers 16-byte aligned, as at an aligned launch)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fusedhooks.codegen.generate import generate_with_spec
-    from fusedhooks.codegen.kernel_cache import load
-    from fusedhooks.compiler.plan import make_plan
-    from fusedhooks.runtime.launcher import default_block, default_num_warps
-
-    plan = make_plan(hook.graph(dtype), hook.stat_names, hook.input_stat_names, hist_range=hook.hist_range)
-    if plan.passes != 1 or plan.units is not None:
-        raise ValueError("the model covers one-pass kernels over blocks")
-    source, spec = generate_with_spec(plan, "cuda")
-    module = load(_without_merge(source), spec)
-    signature = module.SIGNATURES["fused_hook"]
-    block = default_block(dtype)
-    warps = default_num_warps(block, dtype)
-    constexprs = {k: v for k, v in {"ALIGNED": True, "BLOCK": block, "RBLOCK": 1024, "FULL_BLOCKS": True}.items()
-                  if k in signature}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
-    options = {"num_warps": warps, "enable_fp_fusion": False}
-    compiled = triton.compile(ASTSource(module.fused_hook, signature, constexprs, attrs),
-                              target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps, "enable_fp_fusion": False})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
-    return sass, block, warps
+        return subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True,
+                              check=True).stdout
 
 
 def main(argv=None) -> int:
@@ -251,8 +342,8 @@ def main(argv=None) -> int:
     from fusedhooks.cli.build import DTYPES
 
     rows = []
-    print("Predicted, not measured: time over a copy of the same bytes (measured: stats_cost.py on an H200, "
-          "docs/benchmarks.md). Instructions per element by pipe on sm_90.\n")
+    print("Predicted, not measured: time over a copy of the gradient, read + write (measured: stats_cost.py on an "
+          "H200, docs/benchmarks.md). Instructions per element by pipe on sm_90.\n")
     print("| dtype | kernel | " + " | ".join(f"{g.name} predicted" for g in gpus)
           + " | H200 measured | bound (sm_90) | per element: fp32 / fp64 / alu / conv / shfl |")
     print("|---|---|" + "---:|" * (len(gpus) + 1) + "---|---|")
@@ -265,12 +356,14 @@ def main(argv=None) -> int:
             by_arch = {}
             for gpu in gpus:
                 if gpu.arch not in by_arch:
-                    sass, block, warps = kernel_sass(hook, dtype, gpu.arch)
-                    ops = executed_opcodes(sass, tiles_per_program(block, dtype))
-                    by_arch[gpu.arch] = (pipe_counts(ops), block, warps)
+                    (kernel,) = plan_passes(hook, dtype, gpu.arch)
+                    by_arch[gpu.arch] = (kernel.counts(), kernel.elements, kernel.warps)
                 counts, block, warps = by_arch[gpu.arch]
                 prediction = predict(counts, gpu, block, warps, moved)
-                row["gpus"][gpu.name] = {"time_over_copy": 1 / prediction["copy_ratio"], **prediction,
+                # over a copy of the gradient (a read and a write), as stats_cost.py measures, for the read-only
+                # row too
+                over_copy = prediction["seconds_per_element"] / (2 * dtype.itemsize / gpu.copy_bytes_per_s)
+                row["gpus"][gpu.name] = {"time_over_copy": over_copy, **prediction,
                                          "counts": counts, "block": block, "warps": warps}
             measured = MEASURED_TIME_OVER_COPY.get(dname, {}).get(name)
             row["h200_measured_time_over_copy"] = measured
@@ -285,11 +378,58 @@ def main(argv=None) -> int:
                   + " | ".join(f"{v['time_over_copy']:.2f}" for v in row["gpus"].values())
                   + f" | {'-' if measured is None else f'{measured:.2f}'} | {sm90['bound'] if sm90 else '-'} | "
                   + f"{per_element} |")
+    workloads = _workload_rows(gpus, args.dtypes.split(","))
     print("\nGPUs: " + "; ".join(f"{g.name}: sm_{g.arch}, {g.sms} SMs at {g.clock_hz / 1e9:.2f} GHz, copy "
                                   f"{g.copy_bytes_per_s / 1e12:.2f} TB/s ({g.copy_source})" for g in gpus))
     if args.json:
-        args.json.write_text(json.dumps({"gpus": [asdict(g) for g in gpus], "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"gpus": [asdict(g) for g in gpus], "rows": rows, "workloads": workloads},
+                                        indent=1))
     return 0
+
+
+def _workload_rows(gpus: list[Gpu], dtypes: list[str]) -> list[dict]:
+    """The other workloads of the benchmark (workloads.py: normalise by the norm, AGC, centre the columns) on one
+    gradient of 256M elements: each kernel of the plan predicted, their sum over the copy's time, printed beside the
+    first GPU run's fusedhooks and torch.compile (MEASURED_WORKLOAD_US)."""
+    from workloads import WORKLOADS
+
+    from fusedhooks.cli.build import DTYPES
+
+    print("\nOther workloads, one gradient of 256M elements: predicted time over the copy's (sum of the plan's "
+          "kernels), beside the first run's (H200, 201b840) fusedhooks and torch.compile of the same hook.\n")
+    print("| dtype | workload | kernels | " + " | ".join(f"{g.name} predicted" for g in gpus)
+          + " | H200 measured | torch.compile measured | bound per kernel (sm_90) |")
+    print("|---|---|---|" + "---:|" * (len(gpus) + 2) + "---|")
+    rows = []
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        measured = MEASURED_WORKLOAD_US.get(dname, {})
+        for name in ("normalize", "agc", "center_columns"):
+            w = WORKLOADS[name]
+            hook, shape = w.fusedhooks_hook(None), w.param_shape(1 << 28)
+            row = {"dtype": dname, "workload": name, "shape": list(shape), "gpus": {}}
+            by_arch = {}
+            for gpu in gpus:
+                if gpu.arch not in by_arch:
+                    by_arch[gpu.arch] = [(k.name, k.counts(), k.elements, k.warps, k.bytes_per_element)
+                                         for k in plan_passes(hook, dtype, gpu.arch, shape)]
+                kernels = [(name_, predict(counts, gpu, elements, warps, moved))
+                           for name_, counts, elements, warps, moved in by_arch[gpu.arch]]
+                seconds = sum(p["seconds_per_element"] for _, p in kernels)
+                row["gpus"][gpu.name] = {"time_over_copy": seconds / (2 * dtype.itemsize / gpu.copy_bytes_per_s),
+                                         "kernels": {k: {"bound": p["bound"], "seconds_per_element":
+                                                         p["seconds_per_element"]} for k, p in kernels}}
+            fh_us, compiled_us = measured.get(name, (None, None))
+            row["h200_measured_time_over_copy"] = fh_us / measured["copy"] if fh_us else None
+            row["h200_torch_compile_time_over_copy"] = compiled_us / measured["copy"] if compiled_us else None
+            rows.append(row)
+            sm90 = next((v for g, v in row["gpus"].items() if GPUS[g].arch == 90), None)
+            shown = [row["h200_measured_time_over_copy"], row["h200_torch_compile_time_over_copy"]]
+            print(f"| {dname} | {w.title} | {', '.join(row['gpus'][gpus[0].name]['kernels'])} | "
+                  + " | ".join(f"{v['time_over_copy']:.2f}" for v in row["gpus"].values()) + " | "
+                  + " | ".join("-" if v is None else f"{v:.2f}" for v in shown) + " | "
+                  + (", ".join(k["bound"] for k in sm90["kernels"].values()) if sm90 else "-") + " |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -352,11 +352,16 @@ def test_sass_model_counts_the_loop_over_tiles_once_per_tile():
                             "/*0040*/    LDG.E.128 R6, desc[UR4][R2.64] ;\n        /*0044*/    FADD")
     ops = sass_model.executed_opcodes(unrolled, tiles=5)
     assert ops.count("LDG") == 1 + 2 * 2 and ops.count("IADD3") == 2  # two tiles a run: two runs
+    # a loop over every tile (a reduction pass over units): 8 tiles of 16 bytes a thread, two in a run of the loop
+    ops = sass_model.executed_opcodes(unrolled, tiles=8, tile_load_bytes=16)
+    assert ops.count("IADD3") == 4 and ops.count("LDG") == 1 + 4 * 2
+    assert sass_model.executed_opcodes(unrolled, tiles=8, tile_load_bytes=8).count("IADD3") == 2  # 4 tiles a run
 
 
 def test_sass_model_predicts_the_stats_cost_rows(tmp_path):
     """benchmarks/sass_model.py end to end, without a GPU: every stats_cost.py row compiled for sm_90, its SASS read and
-    a time predicted, never faster than the copy, statistics costing more instructions than none."""
+    a time predicted, never faster than its bytes at the copy's bandwidth, statistics costing more instructions than
+    none; the workloads that reduce, every kernel of their plan."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "model.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_model.py"), "--gpus", "H200", "--dtypes",
@@ -368,6 +373,13 @@ def test_sass_model_predicts_the_stats_cost_rows(tmp_path):
     assert [r["kernel"] for r in rows] == [name for name, _, _ in SUBSETS]
     for r in rows:
         h200 = r["gpus"]["H200"]
-        assert h200["time_over_copy"] >= 1.0 and h200["counts"]["issued"] > 0, r
+        # never faster than its bytes at the copy's bandwidth: a copy's time for a read and a write, half for a read
+        assert h200["time_over_copy"] >= r["bytes_per_element"] / (2 * 2) - 1e-9 and h200["counts"]["issued"] > 0, r
     issued = {r["kernel"]: r["gpus"]["H200"]["counts"]["issued"] for r in rows}  # per program
     assert issued["+ all, and input statistics"] > issued["+ all 13 statistics"] > issued["clip + scale, no statistics"]
+    # the workloads that reduce: every kernel of the plan, each at least its bytes' time (three element accesses)
+    kernels = {r["workload"]: list(r["gpus"]["H200"]["kernels"]) for r in json.loads(out.read_text())["workloads"]}
+    assert kernels == {"normalize": ["reduce_level1", "fused_hook"], "agc": ["fused_hook_units"],
+                       "center_columns": ["reduce_units1_0", "fused_hook"]}
+    for r in json.loads(out.read_text())["workloads"]:
+        assert r["gpus"]["H200"]["time_over_copy"] >= 1.5 - 1e-9 and r["h200_torch_compile_time_over_copy"] > 1, r

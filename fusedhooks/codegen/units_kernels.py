@@ -5,12 +5,32 @@ over whole units (`UnitsKernelWriter`, `write_units_kernels`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..compiler import dims
 from ..compiler.ir import Node, reduction_spec
 from ..compiler.plan import Plan
 from .emit import Emitter, UnitsEmitter, compute_type, convert
 from .kernel_writer import ELEMENT_SIZE, KernelWriter, cone, from_merged, table_part
 from .launch_spec import KERNEL_NAME, LaunchSpec, hist_pad
+
+
+@dataclass(frozen=True)
+class UnitAccumulators:
+    """The source lines of one reduction over dimensions in a kernel that steps through chunks of its units.
+
+    lanes: before the first chunk, the accumulators (per lane, or per unit for var/std); add: per chunk (inputs in
+    `mask`); finish: after the last, each unit's accumulators (`parts`) from the lanes'; units: the per-unit
+    accumulators at their identity (the last program's merge of the programs sharing a block of units); result: the
+    fp64 [units] result from `parts`; merge: lines merging another program's parts `{0}`, `{1}`, ... into them."""
+
+    lanes: list[str]
+    add: list[str]
+    finish: list[str]
+    units: list[str]
+    result: str
+    parts: list[tuple[str, str]]
+    merge: list[str]
 
 
 class UnitsKernelWriter(KernelWriter):
@@ -113,36 +133,44 @@ class UnitsKernelWriter(KernelWriter):
         return " + ".join(terms) if terms else f"({index}) * 0"
 
     def unit_reduction(self, em: Emitter, r: dims.UnitReduction, tile: tuple[str, str, str], count: str, n: str,
-                       x: str | None = None) -> tuple[list[str], list[str], str, list, list[str]]:
-        """(accumulator lines, lines adding this chunk of each unit's elements, the fp64 [units] result, the
-        accumulators as (name, type), lines merging another program's accumulators `{0}`, `{1}`, ... into them) of
-        reduction `r` over the lanes in `mask`.
+                       x: str | None = None) -> UnitAccumulators:
+        """The lines of reduction `r` over the lanes in `mask` (see UnitAccumulators): sums, norms, extrema and
+        counts accumulate per lane across the chunks (one reduction per unit after the last); var/std merge each
+        chunk's mean and squared deviations into per-unit accumulators (Chan).
 
         tile: (units, elements, rows) of the kernel's tile (see dims.Tile), as source text; count: the elements of
         each unit in the chunk, n: in the unit (fp64 expressions); x: the name of the input (default: its name in
         `em`)."""
         spec = reduction_spec(r.node)
         k = r.node.index
+        ct = compute_type(r.node.args["input"].dtype)
         if x is None:
-            x = em.value(r.node.args["input"], compute_type(r.node.args["input"].dtype))
+            x = em.value(r.node.args["input"], ct)
         x64 = f"{x}.to(tl.float64)"
         if spec.of_abs:
             x64 = f"tl.abs({x64})"
         units = tile[0]
         shape = ", ".join(tile)
+        lanes = f"{tile[0]} * {tile[1]}"
         axis = 1 if tile[2] == "True" else 0
 
         def per_unit(reduce: str, value: str) -> str:  # each unit's lanes of `value` reduced (tl.sum/max/min)
             return f"tl.{reduce}(as_units({value}, {shape}), axis={axis})"
 
-        acc, add = f"a{k}", []
+        acc, lane = f"a{k}", f"l{k}"
         if spec.stat in ("sum", "mean", "norm"):
-            init = [f"{acc} = tl.zeros([{units}], tl.float64)"]
-            value = f"{x64} * {x64}" if spec.stat == "norm" else x64
-            add = [f"{acc} += {per_unit('sum', f'tl.where(mask, {value}, 0.0)')}"]
+            # a loaded gradient or parameter is 0 outside `mask` already (AMP's unscaled one is not: 0 * Inf)
+            loaded = r.node.args["input"].kind == "param" or (r.node.args["input"].kind == "grad" and not self.plan.amp)
+            wide = f"{x}.to(tl.float64)" if loaded else f"tl.where(mask, {x}, 0).to(tl.float64)"
+            add = [f"w{k} = {f'tl.abs({wide})' if spec.of_abs else wide}"]
+            add.append(f"{lane} += w{k} * w{k}" if spec.stat == "norm" else f"{lane} += w{k}")
             result = {"sum": acc, "mean": f"{acc} / {n}", "norm": f"tl.sqrt({acc})"}[spec.stat]
-            parts, merge = [(acc, "tl.float64")], [f"{acc} += {{0}}"]
-        elif spec.stat in ("var", "std"):  # Chan's merge of each chunk's mean and squared deviations
+            return UnitAccumulators(
+                lanes=[f"{lane} = tl.zeros([{lanes}], tl.float64)"], add=add,
+                finish=[f"{acc} = {per_unit('sum', lane)}"],
+                units=[f"{acc} = tl.zeros([{units}], tl.float64)"],
+                result=result, parts=[(acc, "tl.float64")], merge=[f"{acc} += {{0}}"])
+        if spec.stat in ("var", "std"):  # Chan's merge of each chunk's mean and squared deviations
             init = [f"{acc}_mean = tl.zeros([{units}], tl.float64)", f"{acc}_m2 = tl.zeros([{units}], tl.float64)",
                     f"{acc}_n = tl.zeros([{units}], tl.float64)"]
             add = [f"c{k} = {count}",
@@ -155,30 +183,43 @@ class UnitsKernelWriter(KernelWriter):
                    f"+ delta{k} * delta{k} * ({acc}_n * c{k} / n{k})",
                    f"{acc}_n = n{k}"]
             var = f"{acc}_m2 / tl.maximum({n} - {spec.correction!r}, 0.0)"
-            result = var if spec.stat == "var" else f"tl.sqrt({var})"
-            parts = [(f"{acc}_n", "tl.float64"), (f"{acc}_mean", "tl.float64"), (f"{acc}_m2", "tl.float64")]
             merge = [f"delta{k} = {{1}} - {acc}_mean", f"n{k} = {acc}_n + {{0}}",
                      f"{acc}_mean += delta{k} * ({{0}} / n{k})",
                      f"{acc}_m2 += {{2}} + delta{k} * delta{k} * ({acc}_n * {{0}} / n{k})", f"{acc}_n = n{k}"]
-        elif spec.stat in ("max", "min", "absmax"):  # NaN propagates, as torch's amax/amin
+            return UnitAccumulators(
+                lanes=init, add=add, finish=[], units=init,
+                result=var if spec.stat == "var" else f"tl.sqrt({var})",
+                parts=[(f"{acc}_n", "tl.float64"), (f"{acc}_mean", "tl.float64"), (f"{acc}_m2", "tl.float64")],
+                merge=merge)
+        if spec.stat in ("max", "min", "absmax"):  # NaN propagates, as torch's amax/amin
             largest = spec.stat != "min"
             fill = '-float("inf")' if largest else 'float("inf")'
-            if spec.stat == "absmax":
-                x64 = f"tl.abs({x64})"
-            init = [f"{acc} = tl.full([{units}], {fill}, tl.float64)", f"{acc}_nan = tl.zeros([{units}], tl.int32)"]
-            merge = "tl.maximum" if largest else "tl.minimum"
-            numbers = f"tl.where(mask & ({x64} == {x64}), {x64}, {fill})"
-            add = [f"{acc} = {merge}({acc}, {per_unit('max' if largest else 'min', numbers)})",
-                   f"{acc}_nan += {per_unit('sum', f'(mask & ({x64} != {x64})).to(tl.int32)')}"]
-            result = f'tl.where({acc}_nan > 0, float("nan"), {acc})'
-            parts = [(acc, "tl.float64"), (f"{acc}_nan", "tl.int32")]
-            merge = [f"{acc} = {merge}({acc}, {{0}})", f"{acc}_nan += {{1}}"]
-        else:  # all / any: zeros counted
-            init = [f"{acc} = tl.zeros([{units}], tl.int32)"]
-            add = [f"{acc} += {per_unit('sum', f'(mask & ({x64} == 0)).to(tl.int32)')}"]
-            result = f"({acc} == 0)" if spec.test == "all" else f"({acc} < {n})"
-            parts, merge = [(acc, "tl.int32")], [f"{acc} += {{0}}"]
-        return init, add, result, parts, merge
+            if ct in ("tl.float32", "tl.float64"):  # extrema are exact in the compute type: no fp64 per element
+                v, lane_type = x, ct
+            else:
+                v, lane_type = f"{x}.to(tl.float64)", "tl.float64"
+            if spec.of_abs or spec.stat == "absmax":
+                v = f"tl.abs({v})"
+            pick = "tl.maximum" if largest else "tl.minimum"
+            return UnitAccumulators(
+                lanes=[f"{lane} = tl.full([{lanes}], {fill}, {lane_type})",
+                       f"{lane}_nan = tl.zeros([{lanes}], tl.int32)"],
+                add=[f"e{k} = {v}", f"{lane} = {pick}({lane}, tl.where(mask & (e{k} == e{k}), e{k}, {fill}))",
+                     f"{lane}_nan += (mask & (e{k} != e{k})).to(tl.int32)"],
+                finish=[f"{acc} = {per_unit('max' if largest else 'min', lane)}.to(tl.float64)",
+                        f"{acc}_nan = {per_unit('sum', f'{lane}_nan')}"],
+                units=[f"{acc} = tl.full([{units}], {fill}, tl.float64)", f"{acc}_nan = tl.zeros([{units}], tl.int32)"],
+                result=f'tl.where({acc}_nan > 0, float("nan"), {acc})',
+                parts=[(acc, "tl.float64"), (f"{acc}_nan", "tl.int32")],
+                merge=[f"{acc} = {pick}({acc}, {{0}})", f"{acc}_nan += {{1}}"])
+        # all / any: zeros counted
+        return UnitAccumulators(
+            lanes=[f"{lane} = tl.zeros([{lanes}], tl.int32)"],
+            add=[f"{lane} += (mask & ({x64} == 0)).to(tl.int32)"],
+            finish=[f"{acc} = {per_unit('sum', lane)}"],
+            units=[f"{acc} = tl.zeros([{units}], tl.int32)"],
+            result=f"({acc} == 0)" if spec.test == "all" else f"({acc} < {n})",
+            parts=[(acc, "tl.int32")], merge=[f"{acc} += {{0}}"])
 
     def units_reduce_kernel(self, level: int, k: int, group: list[dims.UnitReduction]) -> list[str]:
         """The reductions over dims group[0].reduced of `level`: each program reduces `tile.units` whole units,
@@ -189,7 +230,7 @@ class UnitsKernelWriter(KernelWriter):
         em = self.emitter(available)
         em.block = str(tile.size)
         em.emit_nodes(cone(self.g, [r.node.args["input"] for r in group]))
-        inits, adds, stores = [], [], []
+        inits, adds, finishes, unit_inits, stores = [], [], [], [], []
         splits, span = self.units.reduce_splits(r0)
         saves, merged_in = [], []  # (splits > 1) this program's accumulators; the last one's merge of them all
         block = "pid" if splits == 1 else "ublock"
@@ -197,17 +238,19 @@ class UnitsKernelWriter(KernelWriter):
         accumulators = [self.unit_reduction(em, r, _tile_text(tile), f"tl.minimum({r0.n_reduced} - start, "
                                             f"{tile.elements}).to(tl.float64)", f"{float(r0.n_reduced)!r}")
                         for r in group]
-        n_parts = sum(len(parts) for *_, parts, _ in accumulators)
+        n_parts = sum(len(a.parts) for a in accumulators)
         assert n_parts == sum(_parts_of(r.node) for r in group)  # what split_sizes allots
         slot = 0
-        for r, (init, add, result, parts, merge) in zip(group, accumulators):
-            inits += init
-            adds += add
-            value = from_merged(r.node, result)  # rounded to the result's dtype once, as eager torch does
+        for r, a in zip(group, accumulators):
+            inits += a.lanes
+            adds += a.add
+            finishes += a.finish
+            unit_inits += a.units
+            value = from_merged(r.node, a.result)  # rounded to the result's dtype once, as eager torch does
             stores.append(f"tl.store({_units_slots(r)} + out_units, ({value}).to({_units_type(r)}), "
                           f"mask=out_units < {r.n_units})  # {r.node.name}")
             names = []
-            for name, ty in parts:
+            for name, ty in a.parts:
                 where = (f"unit_partials_ptr + ((ublock * {splits} + {{}}) * {n_parts} + {slot}) * {tile.units} "
                          f"+ tl.arange(0, {tile.units})")
                 saves.append(f"tl.store({where.format('split')}, {name}.to(tl.float64))")
@@ -215,7 +258,7 @@ class UnitsKernelWriter(KernelWriter):
                 merged_in.append(f"p{slot} = {loaded}" + ("" if ty == "tl.float64" else f".to({ty})"))
                 names.append(f"p{slot}")
                 slot += 1
-            merged_in += [line.format(*names) for line in merge]
+            merged_in += [line.format(*names) for line in a.merge]
         loop = ([f"offs = unit_offs + {self.span('start + element', r0.reduced)}",
                  f"mask = (unit < {r0.n_units}) & (start + element < {r0.n_reduced})"]
                 + self.loads() + em.lines + adds)
@@ -223,17 +266,17 @@ class UnitsKernelWriter(KernelWriter):
         if splits == 1:
             body += (self.unit_lanes(tile, r0.kept) + loads + inits
                      + [f"for start in range(0, {r0.n_reduced}, {tile.elements}):"] + ["    " + line for line in loop]
-                     + [f"out_units = {out_units}"] + stores)
+                     + finishes + [f"out_units = {out_units}"] + stores)
             how = f"{tile.units} units of {r0.n_reduced} elements per program"
         else:  # `splits` programs per block of units, `span` elements each; the last to finish merges and stores
             body += ([f"ublock = pid // {splits}  # which block of units", f"split = pid % {splits}  # which part of "
                       "their elements"] + self.unit_lanes(tile, r0.kept, block) + loads + inits
                      + [f"for start in range(split * {span}, tl.minimum(split * {span} + {span}, {r0.n_reduced}), "
-                        f"{tile.elements}):"] + ["    " + line for line in loop] + saves
+                        f"{tile.elements}):"] + ["    " + line for line in loop] + finishes + saves
                      + ["tl.debug_barrier()",
                         "done = tl.atomic_add(unit_counters_ptr + ublock, 1)  # acq_rel: the partials above are "
                         "visible to the last program", f"if done == {splits} - 1:", "    tl.debug_barrier()"]
-                     + ["    " + line for line in inits] + [f"    for s in range({splits}):"]
+                     + ["    " + line for line in unit_inits] + [f"    for s in range({splits}):"]
                      + ["        " + line for line in merged_in]
                      + ["    " + line for line in [f"out_units = {out_units}"] + stores]
                      + ["    tl.store(unit_counters_ptr + ublock, 0)"])
@@ -255,14 +298,13 @@ class UnitsKernelWriter(KernelWriter):
         em.names.update(available)
         em.block = str(size)
         name = em.at(x, dims.full_map(x.shape))  # the value's own dims index it: `offs` runs over its elements
-        init, add, result, _, _ = self.unit_reduction(em, r, _tile_text(tile),
-                                                f"tl.minimum({r.n_reduced} - start, {size}).to(tl.float64)",
-                                                f"{float(r.n_reduced)!r}", x=name)
-        loop = [f"offs = start + tl.arange(0, {size})", f"mask = offs < {r.n_reduced}"] + em.lines + add
+        a = self.unit_reduction(em, r, _tile_text(tile), f"tl.minimum({r.n_reduced} - start, {size}).to(tl.float64)",
+                                f"{float(r.n_reduced)!r}", x=name)
+        loop = [f"offs = start + tl.arange(0, {size})", f"mask = offs < {r.n_reduced}"] + em.lines + a.add
         slot = self.reduction_slot[node.index]
-        body = (self.header(1) + loads + init + [f"for start in range(0, {r.n_reduced}, {size}):"]
-                + ["    " + line for line in loop]
-                + [f"tl.store(reduced_ptr + {slot} + tl.arange(0, 1), ({result}).to(tl.float64))  # {node.name}"])
+        body = (self.header(1) + loads + a.lanes + [f"for start in range(0, {r.n_reduced}, {size}):"]
+                + ["    " + line for line in loop] + a.finish
+                + [f"tl.store(reduced_ptr + {slot} + tl.arange(0, 1), ({a.result}).to(tl.float64))  # {node.name}"])
         return self.kernel(f"reduce_whole{level}_{k}{self.suffix}", self.signature(), body,
                            f"{node.op} of the {r.n_reduced} elements of {x.name}, reduced over dimensions: one program")
 
@@ -290,10 +332,10 @@ class UnitsKernelWriter(KernelWriter):
             group = [r for r in units.reductions if self.g.depth(r.node) == level]
             em.emit_nodes(cone(self.g, [r.node.args["input"] for r in group]))
             for r in group:
-                init, add, result, _, _ = self.unit_reduction(em, r, tile, n, n)
-                em.lines += init + add
+                a = self.unit_reduction(em, r, tile, n, n)
+                em.lines += a.lanes + a.add + a.finish
                 name = held[r.node.index] = f"b{r.node.index}"
-                em.lines.append(f"{name} = to_lanes({from_merged(r.node, result)}, UNITS, ELEMENTS, True)")
+                em.lines.append(f"{name} = to_lanes({from_merged(r.node, a.result)}, UNITS, ELEMENTS, True)")
         body += em.lines
         em.lines = []
         body += self.final_body(em, single=False, per_program="UNITS * unit_numel")

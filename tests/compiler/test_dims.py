@@ -153,6 +153,46 @@ def test_nan_and_inf_propagate_per_unit(name, shape, dtype, backend):
     assert_matches(_fire(_hook(fn, backend), grad), expected, backend, dtype)
 
 
+def _exact_mean(x, dim, keepdim=False):
+    return x.double().mean(dim, keepdim=keepdim).to(x.dtype)
+
+
+def _exact_norm(x, dim, keepdim=False):
+    return x.double().norm(dim=dim, keepdim=keepdim).to(x.dtype)
+
+
+#: name -> (body of the gradient and the reduction it uses, torch's reduction, the same computed exactly (float64,
+#: rounded once), the values); torch's float32 accumulator overflows on the first, underflows on the second
+EXTREME_UNITS = {
+    "column_mean_near_max": (lambda g, mean: g - mean(g, 0), torch.mean, _exact_mean,
+                             lambda fi, shape: torch.where(torch.arange(math.prod(shape)).reshape(shape) % 7 == 0,
+                                                           fi.max / 2, fi.max)),
+    "row_norm_of_subnormals": (lambda g, norm: g / norm(g, dim=1, keepdim=True), torch.norm, _exact_norm,
+                               lambda fi, shape: torch.full(shape, fi.smallest_normal / 8)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name, shape", [("column_mean_near_max", (3000, 3)), ("row_norm_of_subnormals", (2, 5000))],
+                         ids=["columns", "long-rows"])
+def test_units_accumulate_per_lane_across_chunks_in_float64(name, shape, dtype, monkeypatch):
+    """Each lane of a reduction pass over units adds up its elements of every chunk of its program (one reduction per
+    unit after the last chunk): still the float64 value rounded once where a float32 accumulator overflows or
+    underflows. One program per block of units (TARGET_PROGRAMS 1), so that each lane holds several chunks."""
+    from fusedhooks.compiler import dims
+
+    monkeypatch.setattr(dims, "TARGET_PROGRAMS", 1)
+    body, reduction, exact, values = EXTREME_UNITS[name]
+    hook = _hook(lambda g: body(g, reduction), "triton")
+    units = hook.plan(shape=shape, dtype=dtype).units
+    (r,) = units.reductions
+    assert units.reduce_splits(r) == (1, r.n_reduced) and r.n_reduced > 2 * units.reduce_tile(r).elements
+    grad = values(torch.finfo(dtype), shape).to(dtype)
+    expected = body(grad.clone(), exact)
+    assert torch.isfinite(expected).all()
+    assert_close_to(_fire(hook, grad), expected, REDUCTION_RTOL[dtype])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_statistics_of_the_result(backend):
     hook = _hook(lambda g: g / (g.norm(dim=1, keepdim=True) + 1e-3), backend, stats=("norm", "count", "max"),
