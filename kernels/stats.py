@@ -31,6 +31,18 @@ def _rows(v, V: tl.constexpr):
 
 
 @triton.jit
+def _fma_rows(x, y, acc, V: tl.constexpr):
+    """acc [TILE // V] plus the sums of x * y over each V adjacent lanes of x, y [TILE], as one fused multiply-add a
+    lane (lanes split off in pairs, in the thread's registers): half the instructions of a product then a sum."""
+    if V == 1:
+        return tl.fma(x, y, acc)
+    else:
+        xa, xb = tl.split(tl.reshape(x, [x.shape[0] // 2, 2]))
+        ya, yb = tl.split(tl.reshape(y, [y.shape[0] // 2, 2]))
+        return _fma_rows(xb, yb, _fma_rows(xa, ya, acc, V // 2), V // 2)
+
+
+@triton.jit
 def _row_extremes(x, mask, FULL: tl.constexpr, VEC: tl.constexpr):
     """(least, largest) value of each V adjacent valid lanes of x [TILE] ([TILE // VEC] each; +Inf, -Inf for none)."""
     mn = tl.min(tl.reshape(_valid(x, mask, float("inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1)
@@ -54,16 +66,15 @@ def _scaled(x, mask, shift, FULL: tl.constexpr):
 
 
 @triton.jit
-def _deviation_rows(xs, ks, mask, M34: tl.constexpr, FULL: tl.constexpr, VEC: tl.constexpr):
-    """Per row of VEC lanes, the sums of the deviations d = xs - ks and of d^2 (and d^3, d^4 with M34, else 0)."""
+def _add_deviations(xs, ks, mask, sd, sd2, sd3, sd4, M34: tl.constexpr, FULL: tl.constexpr, VEC: tl.constexpr):
+    """sd, sd2 (sd3, sd4 with M34) plus, per row of VEC lanes, the sums of the deviations d = xs - ks and of d^2
+    (d^3, d^4)."""
     d = _valid(xs - ks, mask, 0.0, FULL)
-    d2 = d * d
-    sd3 = ks * 0.0
-    sd4 = sd3
     if M34:
-        sd3 = _rows(d2 * d, VEC)
-        sd4 = _rows(d2 * d2, VEC)
-    return _rows(d, VEC), _rows(d2, VEC), sd3, sd4
+        d2 = d * d
+        sd3 += _rows(d2 * d, VEC)
+        sd4 += _rows(d2 * d2, VEC)
+    return sd + _rows(d, VEC), _fma_rows(d, d, sd2, VEC), sd3, sd4
 
 
 @triton.jit
@@ -134,9 +145,9 @@ def stats_first(x, mask, n_tile,
         if M2:
             ks = tl.sum(sx, axis=0) / n_tile.to(xs.dtype)
             ks = tl.where(tl.abs(ks) < float("inf"), ks, 0.0)  # an Inf or NaN makes the moments NaN anyway
-            sd, sd2, sd3, sd4 = _deviation_rows(xs, ks, mask, M34, FULL, VEC)
+            sd, sd2, sd3, sd4 = _add_deviations(xs, ks, mask, sd, sd2, sd3, sd4, M34, FULL, VEC)
     if SUMSQ:
-        sx2 = _rows(xs * xs, VEC)
+        sx2 = _fma_rows(xs, xs, sx2, VEC)
     if MINMAX:
         mn, mx = _row_extremes(x, mask, FULL, VEC)
     if COUNTS:
@@ -152,9 +163,10 @@ def stats_add(x, mask, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, 
               MINMAX: tl.constexpr, COUNTS: tl.constexpr, M34: tl.constexpr, FULL: tl.constexpr,
               VEC: tl.constexpr = 1):
     """Add the tile `x` (fp32/fp64 [TILE], lanes outside `mask` ignored) to the running state of `stats_first`, and
-    return it. Per element the sums take an add or a multiply-add each, the zeros a compare and an add; per tile one
-    int32 maximum of |x| (the scale, and whether the tile holds a NaN or an Inf at all); rare: when it finds a larger
-    value than the tiles before, the running sums rescaled by a power of two, and a tile's NaN and Inf counted."""
+    return it. Per element the sums take an add or a fused multiply-add each (the squares), the zeros a compare and an
+    add; per tile one int32 maximum of |x| (the scale, and whether the tile holds a NaN or an Inf at all); rare: when
+    it finds a larger value than the tiles before, the running sums rescaled by a power of two, and a tile's NaN and
+    Inf counted."""
     if x.dtype != tl.float64 and (SUM or SUMSQ or COUNTS):
         bits = _abs_bits(x, mask, FULL)
     if SUM or SUMSQ:
@@ -177,14 +189,9 @@ def stats_add(x, mask, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, 
     if SUM:
         sx += _rows(xs, VEC)
         if M2:
-            tile_sd, tile_sd2, tile_sd3, tile_sd4 = _deviation_rows(xs, ks, mask, M34, FULL, VEC)
-            sd += tile_sd
-            sd2 += tile_sd2
-            if M34:
-                sd3 += tile_sd3
-                sd4 += tile_sd4
+            sd, sd2, sd3, sd4 = _add_deviations(xs, ks, mask, sd, sd2, sd3, sd4, M34, FULL, VEC)
     if SUMSQ:
-        sx2 += _rows(xs * xs, VEC)
+        sx2 = _fma_rows(xs, xs, sx2, VEC)
     if MINMAX:
         tile_mn, tile_mx = _row_extremes(x, mask, FULL, VEC)
         mn = tl.minimum(mn, tile_mn)
