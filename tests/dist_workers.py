@@ -7,6 +7,7 @@ copy of the model, gradients averaged with `dist.all_reduce`) and raises Asserti
 import contextlib
 import copy
 import datetime
+import functools
 import math
 import os
 import warnings
@@ -668,12 +669,19 @@ def nested_backwards(rank: int, world: int, device) -> None:
     _raises(ValueError, "use_reentrant=False", lambda: fh.grad_hook(stats=("norm",)).register(static))
 
 
+class _TPNet(torch.nn.ModuleDict):
+    """norm, up, down by name, and a forward through them (what fully_shard of the root needs)."""
+
+    def forward(self, x):
+        return _tp_forward(self, x)
+
+
 def _tp_model(device) -> torch.nn.Module:
     """torchtitan's layout in small: a LayerNorm under SequenceParallel (Replicate parameters, Partial(sum)
     gradients), then a Colwise and a Rowwise projection."""
     torch.manual_seed(0)
-    return torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(8), "up": torch.nn.Linear(8, 12),
-                                "down": torch.nn.Linear(12, 8)}).to(device)
+    return _TPNet({"norm": torch.nn.LayerNorm(8), "up": torch.nn.Linear(8, 12),
+                   "down": torch.nn.Linear(12, 8)}).to(device)
 
 
 def _tp_forward(model, x):
@@ -711,6 +719,50 @@ def _term_magnitudes(ref: torch.nn.Module) -> dict:
     return magnitudes
 
 
+def _clamp_eagerly(ref: torch.nn.Module) -> None:
+    """The oracle's hooks: each gradient clamped in place by a plain post-accumulate hook."""
+    def clamp(q):
+        q.grad.clamp_(-CLAMP, CLAMP)
+
+    for q in ref.parameters():
+        q.register_post_accumulate_grad_hook(clamp)
+
+
+def _check_against_oracle(hook, model, ref, magnitudes, world: int, terms: int, what: tuple) -> None:
+    """After a backward of a sharded `model` (DTensor parameters) and of its unsharded oracle `ref` (clamped eagerly):
+    the statistics identical on every rank; each processed gradient (`full_tensor()`) within 2 gamma_terms of the
+    magnitudes of the terms its elements sum (`magnitudes()`: two fp32 computations summing them in other orders
+    differ by at most that); statistics within 1e-5 of the oracle's; fh.clip_grad_norm_ torch's total, the same on
+    every rank, and the clipped gradients within one rounding more. `what` names the case in failures."""
+    import fusedhooks as fh
+
+    names = [n for n, _ in ref.named_parameters()]
+    reading = hook.stats.read()
+    assert sorted(reading) == sorted(names) and not reading.stale, what
+    gathered = [None] * world
+    dist.all_gather_object(gathered, reading)
+    assert all(r == gathered[0] for r in gathered), f"statistics differ between ranks {what}"
+    params = dict(model.named_parameters())
+    u = torch.finfo(torch.float32).eps / 2
+    bounds = {name: 2 * terms * u / (1 - terms * u) * m for name, m in magnitudes().items()}
+    for name, q in ref.named_parameters():
+        error = (params[name].grad.full_tensor().double() - q.grad.double()).abs()
+        assert (error <= bounds[name]).all(), (what, name, (error - bounds[name]).max().item())
+        _close_stats(reading[name], q.grad, STATS)
+    grads = {n: p.grad.full_tensor().clone() for n, p in params.items()}
+    total = fh.clip_grad_norm_(hook, 0.02)
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.02)
+    torch.testing.assert_close(total.to(expected.dtype), expected, rtol=1e-5, atol=0)
+    totals = [None] * world
+    dist.all_gather_object(totals, total.item())
+    assert all(t == totals[0] for t in totals), f"ranks clip by different totals: {totals} {what}"
+    for name, q in ref.named_parameters():  # one more rounding each: the coefficient's product
+        got = params[name].grad.full_tensor()
+        error = (got.double() - q.grad.double()).abs()
+        assert (error <= bounds[name] + 4 * u * q.grad.double().abs()).all(), ("clipped", what, name)
+        assert not torch.equal(got, grads[name]) or not grads[name].any(), ("not clipped", what, name)
+
+
 def tensor_parallel(rank: int, world: int, device) -> None:
     """Tensor parallelism with a SequenceParallel norm on `world` ranks: the norm's Partial(sum) gradients are reduced
     before the body (never processed as the whole), the Colwise/Rowwise shards processed in place; processed
@@ -732,48 +784,16 @@ def tensor_parallel(rank: int, world: int, device) -> None:
         hook = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP), stats=STATS, backend=backend)
         hook.register(model)
         magnitudes = _term_magnitudes(ref)
-
-        def clamp_eagerly(q):
-            q.grad.clamp_(-CLAMP, CLAMP)
-
-        for q in ref.parameters():
-            q.register_post_accumulate_grad_hook(clamp_eagerly)
-        names = [n for n, _ in ref.named_parameters()]
+        _clamp_eagerly(ref)
         for step in range(2):
             x = torch.randn(2, 4 * world, 8, generator=torch.Generator().manual_seed(step)).to(device)
             _tp_forward(model, x.chunk(world, dim=1)[rank]).square().sum().backward()  # this rank's sequence part
             _tp_forward(ref, x).square().sum().backward()
             assert isinstance(model["norm"].weight.grad, DTensor)
             assert any(isinstance(p, Partial) for p in model["norm"].weight.grad.placements)
-            reading = hook.stats.read()
-            assert sorted(reading) == sorted(names) and not reading.stale
-            gathered = [None] * world
-            dist.all_gather_object(gathered, reading)
-            assert all(r == gathered[0] for r in gathered), "statistics differ between ranks"
-            params = dict(model.named_parameters())
-            # each element sums 2 x 4 * world terms, in another order here (per rank, then across ranks): within 2
-            # gamma_n of the terms' magnitudes, n their count and a few roundings more (silently wrong before: the
-            # norm's partial sums clamped and measured as if whole)
-            u = torch.finfo(torch.float32).eps / 2
-            n = 8 * world + 4
-            bounds = {name: 2 * n * u / (1 - n * u) * m for name, m in magnitudes().items()}
-            for name, q in ref.named_parameters():
-                got = params[name].grad.full_tensor()
-                error = (got.double() - q.grad.double()).abs()
-                assert (error <= bounds[name]).all(), (backend, step, name, (error - bounds[name]).max().item())
-                _close_stats(reading[name], q.grad, STATS)
-            grads = {n: p.grad.full_tensor().clone() for n, p in params.items()}
-            total = fh.clip_grad_norm_(hook, 0.02)
-            expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.02)
-            torch.testing.assert_close(total.to(expected.dtype), expected, rtol=1e-5, atol=0)
-            totals = [None] * world
-            dist.all_gather_object(totals, total.item())
-            assert all(t == totals[0] for t in totals), f"ranks clip by different totals: {totals}"
-            for name, q in ref.named_parameters():  # one more rounding each: the coefficient's product
-                got = params[name].grad.full_tensor()
-                error = (got.double() - q.grad.double()).abs()
-                assert (error <= bounds[name] + 4 * u * q.grad.double().abs()).all(), ("clipped", backend, name)
-                assert not torch.equal(got, grads[name]) or not grads[name].any()
+            # each element sums 2 x 4 * world terms, in another order here (per rank, then across ranks), and a few
+            # roundings more (silently wrong before: the norm's partial sums clamped and measured as if whole)
+            _check_against_oracle(hook, model, ref, magnitudes, world, 8 * world + 4, (backend, step))
             model.zero_grad()
             ref.zero_grad()
     early = _tp_model(device)["up"]
@@ -784,3 +804,97 @@ def tensor_parallel(rank: int, world: int, device) -> None:
     weight = model["norm"].weight
     weight.grad = DTensor.from_local(torch.ones(8, device=device), mesh, [Partial("avg")])
     _raises(ValueError, "placed as (Partial(avg),) and the parameter as (Replicate(),)", lambda: hook(weight))
+
+
+def _fsdp_tp(rank: int, world: int, device, shape: tuple[int, int]) -> None:
+    """FSDP2 + tensor parallelism as torchtitan lays them out, on a (dp, tp) mesh of `shape`: parallelize_module on the
+    tp dimension (a SequenceParallel norm, Colwise, Rowwise), then fully_shard on the dp dimension, then register.
+    The weights are sharded along both mesh dimensions (Shard on one tensor dim each, or _StridedShard and Shard on
+    the same), the norm's along dp with Partial(sum) gradients along tp. Processed gradients, whole-parameter
+    statistics (identical on every rank, one collective per backward) and fh.clip_grad_norm_ equal the unsharded eager
+    oracle and torch's clip_grad_norm_, on the eager and triton backends; a body reducing over a sharded dim is
+    refused at register. Then HSDP on the same mesh (dp replicas of a model sharded over tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    import fusedhooks as fh
+    from fusedhooks.firing import shards
+    from fusedhooks.runtime.process_groups import shard_spread
+
+    dp, tp = shape
+    covers_world = shards.covers_world
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    gathers = []
+    all_gather = shards.all_gather_single
+
+    def counting(dist_):
+        gathers.append(1)
+        return all_gather(dist_)
+
+    shards.all_gather_single = counting
+    for layout in ("fsdp+tp", "hsdp"):
+        for backend in ("eager", "triton"):
+            ref, model = _tp_model(device), _tp_model(device)
+            if layout == "fsdp+tp":
+                parallelize_module(model, mesh["tp"], {"norm": SequenceParallel(),
+                                                       "up": ColwiseParallel(input_layouts=Shard(1)),
+                                                       "down": RowwiseParallel(output_layouts=Shard(1))})
+                for module in model.values():
+                    fully_shard(module, mesh=mesh["dp"])
+                fully_shard(model, mesh=mesh["dp"])
+                batch, sequence = 2 * dp, 4 * tp
+            else:  # replicated along dp, sharded along tp
+                for module in model.values():
+                    fully_shard(module, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+                batch, sequence = 2 * dp * tp, 4
+            hook = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP), stats=STATS, backend=backend)
+            hook.register(model)
+            if layout == "fsdp+tp":
+                spread_of = {n: shard_spread(n, p) for n, p in model.named_parameters()}
+                assert spread_of["up.weight"].dims == spread_of["down.weight"].dims == (0, 1), spread_of
+                # FSDP2 on a tensor-parallel shard of the same dim (tp > 1)
+                assert tp == 1 or "_StridedShard" in str(model["up"].weight.placements), model["up"].weight
+                assert spread_of["norm.weight"].dims == (0,), spread_of
+                columns = fh.grad_hook(lambda g: g - g.mean(dim=0))
+                _raises(fh.CompileError, "reduces over dim 0 (`mean`), whose units would be cut by the shards",
+                        functools.partial(columns.register, model["up"]))
+            magnitudes = _term_magnitudes(ref)
+            _clamp_eagerly(ref)
+            for step in range(2):
+                x = torch.randn(batch, sequence, 8, generator=torch.Generator().manual_seed(step)).to(device)
+                if layout == "fsdp+tp":  # this dp rank's samples, this tp rank's part of their sequence
+                    mine = x.chunk(dp, dim=0)[dp_rank].chunk(tp, dim=1)[tp_rank]
+                else:
+                    mine = x.chunk(world, dim=0)[rank]
+                gathers.clear()
+                # the second step as on a mesh that does not span the default group: a gather per sharded dimension
+                shards.covers_world = covers_world if step == 0 else (lambda mesh: False)
+                model(mine).square().sum().backward()  # the root's forward: FSDP2's hooks around the whole
+                spreads = {shard_spread(n, p) for n, p in model.named_parameters()}
+                expected = 1 if step == 0 else sum(len(spread.dims) for spread in spreads)
+                assert len(gathers) == expected, f"{len(gathers)} collectives in a backward, not {expected}"
+                # FSDP2 averages over the data-parallel ranks: the oracle's loss is the mean of theirs
+                replicas = dp if layout == "fsdp+tp" else world
+                (_tp_forward(ref, x).square().sum() / replicas).backward()
+                # the terms of each element, the average, a few roundings
+                _check_against_oracle(hook, model, ref, magnitudes, world, batch * sequence + 2 * replicas + 8,
+                                      (layout, backend, step))
+                model.zero_grad()
+                ref.zero_grad()
+    shards.all_gather_single, shards.covers_world = all_gather, covers_world
+
+
+def fsdp_tp_1x2(rank: int, world: int, device) -> None:
+    _fsdp_tp(rank, world, device, (1, 2))
+
+
+def fsdp_tp_2x1(rank: int, world: int, device) -> None:
+    _fsdp_tp(rank, world, device, (2, 1))
+
+
+def fsdp_tp_2x2(rank: int, world: int, device) -> None:
+    _fsdp_tp(rank, world, device, (2, 2))

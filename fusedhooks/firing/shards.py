@@ -14,12 +14,15 @@ import torch
 
 from ..runtime import launcher
 from ..runtime.process_groups import (
+    ShardSpread,
     all_gather_single,
+    covers_world,
     dist_module,
     holds_reduced,
     partial_dims,
     reduce_partial,
-    shard_group,
+    shard_spread,
+    spread_ranks,
 )
 from ..stats import backwards
 from ..stats.buffer import HookStats
@@ -40,7 +43,7 @@ class _PendingMerge:
     def __init__(self, shards: ShardStats, task: backwards.GraphTask | None):
         self.shards = shards
         self.task = task
-        self.rows: dict[object, set[int]] = {}  # process group -> statistics rows
+        self.rows: dict[ShardSpread | None, set[int]] = {}  # where the shards are -> statistics rows
 
     def run(self) -> None:
         self.shards.merge(self.rows)
@@ -57,15 +60,15 @@ def _partial_row(partials: HookStats, stats: HookStats, row: int, device: torch.
 class ShardLaunch:
     """The launch of one sharded parameter's shards (`sequence.Launch`), bound at their first firing of a dtype,
     device, shape and placement: the plan and kernels for shards, the body's closed-over tensors `scalars`, the hook's
-    per-thread `workspaces`, the process group its shards are spread over (`group`) and the mesh dimensions along
-    which its gradient is a partial sum (`partial`, of `mesh`)."""
+    per-thread `workspaces`, the ranks its shards are spread over (`spread`, None: whole on every rank) and the mesh
+    dimensions along which its gradient is a partial sum (`partial`, of `mesh`)."""
 
-    __slots__ = ("plan", "kernel", "scalars", "workspaces", "group", "mesh", "partial")
+    __slots__ = ("plan", "kernel", "scalars", "workspaces", "spread", "mesh", "partial")
 
-    def __init__(self, plan, kernel, scalars: list[torch.Tensor], workspaces: Workspaces, group, mesh,
-                 partial: list[int]):
+    def __init__(self, plan, kernel, scalars: list[torch.Tensor], workspaces: Workspaces,
+                 spread: ShardSpread | None, mesh, partial: list[int]):
         self.plan, self.kernel, self.scalars, self.workspaces = plan, kernel, scalars, workspaces
-        self.group, self.mesh, self.partial = group, mesh, partial
+        self.spread, self.mesh, self.partial = spread, mesh, partial
 
     def __call__(self, grads: list, params: list, partial_row: torch.Tensor | None, amp: tuple | None) -> None:
         local, local_param = grads[0], params[0]
@@ -122,10 +125,10 @@ class ShardStats:
         if not launch.plan.slots:
             return
         if backward_key < 0:  # called by hand: every rank calls it, and it merges now
-            self.merge({launch.group: {entry.row}})
+            self.merge({launch.spread: {entry.row}})
             return
         pending = self._running.get(backward_key) or self._pending_merge(backward_key)
-        pending.rows.setdefault(launch.group, set()).add(entry.row)
+        pending.rows.setdefault(launch.spread, set()).add(entry.row)
 
     def _bind(self, key: tuple, entry: Entry, param: torch.Tensor, grad: torch.Tensor) -> ShardLaunch:
         """The launch of `entry`'s shards of `grad`'s dtype, device, shape and placement, bound at their first firing
@@ -133,7 +136,8 @@ class ShardStats:
         local = grad._local_tensor
         compiled = self.compilation.compiled(local.dtype, local.device, shard=True, shape=tuple(local.shape))
         launch = ShardLaunch(compiled.plan, compiled.kernel, self.compilation.scalars, self.workspaces,
-                             shard_group(entry.name, param), grad.device_mesh, partial_dims(entry.name, param, grad))
+                             shard_spread(entry.name, param), grad.device_mesh,
+                             partial_dims(entry.name, param, grad))
         if len(self._launches) > 4096:  # parameters registered again and again: keep it small
             self._launches.clear()
         self._launches[key] = launch
@@ -152,27 +156,54 @@ class ShardStats:
             self._running[backward_key] = pending
             return pending
 
-    def merge(self, rows_by_group: dict[object, set[int]]) -> None:
-        """One all-gather of the partial rows per process group; every rank merges them into the same values."""
+    def merge(self, rows_by_spread: dict[ShardSpread | None, set[int]]) -> None:
+        """Every rank's partial rows gathered, one all-gather per device mesh when the mesh spans the default process
+        group (FSDP2, FSDP2 + TP, HSDP: one per backward), else one per sharded mesh dimension of each spread; every
+        rank merges the rows of the ranks holding the other shards of its copy, in the same order, into the same
+        values."""
+        by_mesh: dict[object, list[ShardSpread | None]] = {}
+        for spread in rows_by_spread:
+            by_mesh.setdefault(None if spread is None else spread.mesh, []).append(spread)
+        for mesh, spreads in by_mesh.items():
+            if mesh is not None and covers_world(mesh):
+                rows = sorted(set().union(*(rows_by_spread[s] for s in spreads)))
+                gathered = self._gather(rows, [None])  # [world, rows, slots], global rank order
+                for spread in spreads:
+                    mine = sorted(rows_by_spread[spread])
+                    at = self._index_of([rows.index(r) for r in mine], gathered.device)
+                    ranks = self._index_of(spread_ranks(spread), gathered.device)
+                    self._store(mine, gathered.index_select(0, ranks).index_select(1, at))
+                continue
+            for spread in spreads:
+                rows = sorted(rows_by_spread[spread])
+                groups = [] if spread is None else [spread.mesh.get_group(d) for d in spread.dims]
+                self._store(rows, self._gather(rows, groups))
+
+    def _gather(self, rows: list[int], groups: list) -> torch.Tensor:
+        """Partial rows `rows` of every rank of `groups` (None: the default group), gathered over one after the
+        other: float64 [ranks, len(rows), slots], in the same order on every rank (no group: this rank's alone)."""
+        device = self.stats.tensor.device
+        part = self.partials.tensor.index_select(0, self._index_of(rows, device)).unsqueeze(0)
+        dist = dist_module()
+        for group in groups:
+            ranks = dist.get_world_size(group)
+            gathered = torch.empty((ranks * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=device)
+            all_gather_single(dist)(gathered, part, group=group)
+            part = gathered
+        return part
+
+    def _store(self, rows: list[int], gathered: torch.Tensor) -> None:
+        """Merge the partials `gathered` ([ranks, len(rows), slots]) into the statistics rows `rows`."""
         stats = self.stats
-        for group, rows in rows_by_group.items():
-            rows = sorted(rows)
-            device = stats.tensor.device
-            key = (device, tuple(rows))
-            index = self._index.get(key)
-            if index is None:
-                if len(self._index) > 64:
-                    self._index.clear()
-                index = self._index[key] = launcher.host_to_device(rows, torch.int64, device)
-            part = self.partials.tensor.index_select(0, index)
-            if group is None:
-                ranks = 1
-                gathered = part
-            else:
-                dist = dist_module()
-                ranks = dist.get_world_size(group)
-                gathered = torch.empty((ranks * len(rows), part.shape[1]), dtype=part.dtype, device=device)
-                all_gather_single(dist)(gathered, part, group=group)
-            merged = merge_partials(gathered.view(ranks, len(rows), -1), self.partials.slot_names,
-                                    stats.slot_names)
-            stats.tensor.index_copy_(0, index, merged)
+        merged = merge_partials(gathered, self.partials.slot_names, stats.slot_names)
+        stats.tensor.index_copy_(0, self._index_of(rows, stats.tensor.device), merged)
+
+    def _index_of(self, values: list[int], device: torch.device) -> torch.Tensor:
+        """`values` (rows, ranks) as an int64 tensor on `device`, kept: the same rows merge at every backward."""
+        key = (device, tuple(values))
+        index = self._index.get(key)
+        if index is None:
+            if len(self._index) > 64:
+                self._index.clear()
+            index = self._index[key] = launcher.host_to_device(values, torch.int64, device)
+        return index

@@ -262,16 +262,17 @@ class Registration:
                                  f"{stats_device}; register parameters of another device with another hook")
 
     def check_sharded(self, name: str, t: torch.Tensor) -> None:
-        """What a hook cannot do on an FSDP2-sharded (DTensor) parameter `t`, refused with what to do instead."""
-        process_groups.shard_group(name, t)  # refuses placements other than one Shard(d) (+ Replicate)
+        """What a hook cannot do on a sharded (FSDP2, tensor parallel: DTensor) parameter `t`, refused with what to do
+        instead."""
+        process_groups.shard_spread(name, t)  # refuses placements other than Shard and Replicate
         graph = self.compilation.graph(t.dtype, t.shape)
         if graph.reductions():
-            dim = process_groups.shard_dim(t)
-            along = "" if dim is None else f" along dim {dim}"
-            per_shard = (f"{name} is sharded (FSDP2, DTensor){along}: each rank holds a part of its gradient, and the "
-                         "body")
+            sharded = process_groups.sharded_dims(t)
+            along = f" along dim{'s' if len(sharded) > 1 else ''} {', '.join(map(str, sharded))}" if sharded else ""
+            per_shard = (f"{name} is sharded (FSDP2 or tensor parallel, DTensor){along}: each rank holds a part of "
+                         "its gradient, and the body")
             advice = ("Sharded parameters take elementwise bodies, and reductions over dimensions other than the "
-                      "sharded one (each unit within a shard: `g.norm(dim=1, keepdim=True)`); their statistics "
+                      "sharded ones (each unit within a shard: `g.norm(dim=1, keepdim=True)`); their statistics "
                       "(stats=) are those of the whole parameter, merged across ranks, and a global clip is "
                       "fh.clip_grad_norm_(hook, max_norm)")
             whole = [n for n in graph.reductions() if not dims.is_dim_reduction(n)]
@@ -283,8 +284,9 @@ class Registration:
             except dims.Unsupported as e:
                 raise CompileError(f"{self.hook_name}: {per_shard} has {e}. {advice}") from None
             for r in units.reductions:
-                if dim in dims.reduced_dims(r.node, tuple(t.shape)):
-                    raise CompileError(f"{self.hook_name}: {per_shard} reduces over dim {dim} (`{r.node.op}`), "
+                cut = [d for d in sharded if d in dims.reduced_dims(r.node, tuple(t.shape))]
+                if cut:
+                    raise CompileError(f"{self.hook_name}: {per_shard} reduces over dim {cut[0]} (`{r.node.op}`), "
                                        f"whose units would be cut by the shards. {advice}")
             if not all(units.is_own(units.of(node), m) for node, m in units.uses):
                 raise CompileError(f"{self.hook_name}: {per_shard} broadcasts a value reduced over dimensions onto "

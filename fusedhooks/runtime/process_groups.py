@@ -1,10 +1,11 @@
-"""Process groups and DTensor placements, as a firing needs them: the world size, whether a model is DDP, the group
-across which a sharded (FSDP2) parameter's shards are spread, partial (Partial(sum)) gradients reduced before the body,
-and the norm of a sharded parameter's whole gradient."""
+"""Process groups and DTensor placements, as a firing needs them: the world size, whether a model is DDP, the ranks
+across which a sharded (FSDP2, tensor parallel, both) parameter's shards are spread, partial (Partial(sum)) gradients
+reduced before the body, and the norm of a sharded parameter's whole gradient."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -37,20 +38,54 @@ def is_ddp(target) -> bool:
     return dist is not None and isinstance(target, torch.nn.parallel.DistributedDataParallel)
 
 
-def shard_group(name: str, t: torch.Tensor):
-    """The process group across which `t`'s (a DTensor's) shards are spread: its mesh dimension of Shard
-    placement (other dimensions must be Replicate: HSDP keeps whole copies there)."""
-    from torch.distributed.tensor import Replicate, Shard
+class ShardSpread(NamedTuple):
+    """The ranks over which a DTensor parameter's shards are spread: the mesh dimensions `dims` of `mesh` with a Shard
+    placement (FSDP2's, tensor parallelism's, both: FSDP2 + TP; `_StridedShard` too). Along the mesh's other
+    dimensions (Replicate: HSDP's replicas, a Replicate parameter under TP) the ranks hold copies."""
 
-    shard_dims = [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
-    others = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
-    if others or len(shard_dims) > 1:
+    mesh: object
+    dims: tuple[int, ...]
+
+
+def _shards() -> tuple[type, ...]:
+    """The placements that shard a tensor dim `.dim`: Shard, and FSDP2 + TP's _StridedShard (not a Shard in torch
+    2.13) where torch has it."""
+    from torch.distributed.tensor import Shard
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return (Shard,)
+    return (Shard, _StridedShard)
+
+
+def shard_spread(name: str, t: torch.Tensor) -> ShardSpread | None:
+    """Where the shards of `t` (a DTensor parameter) are spread (None: every rank holds it whole); refuses placements
+    other than Shard, _StridedShard and Replicate."""
+    from torch.distributed.tensor import Replicate
+
+    shards = _shards()
+    others = [p for p in t.placements if not isinstance(p, (*shards, Replicate))]
+    if others:
         raise ValueError(f"{name}: a DTensor placed as {tuple(t.placements)}; fusedhooks merges the statistics "
-                         "of parameters sharded along one mesh dimension (FSDP2's Shard, HSDP's Replicate + "
-                         "Shard); other placements are not supported")
-    if not shard_dims:
-        return None
-    return t.device_mesh.get_group(shard_dims[0])
+                         "of parameters sharded along mesh dimensions (Shard, _StridedShard: FSDP2, tensor "
+                         "parallelism, both) and copied along the others (Replicate); other placements are not "
+                         "supported")
+    dims = tuple(i for i, p in enumerate(t.placements) if isinstance(p, shards))
+    return ShardSpread(t.device_mesh, dims) if dims else None
+
+
+def spread_ranks(spread: ShardSpread) -> list[int]:
+    """The global ranks holding the shards of one copy of a parameter spread as `spread`, this rank's among them: the
+    ranks of the mesh at this rank's coordinates along its other dimensions, in mesh order."""
+    coordinate = spread.mesh.get_coordinate()
+    index = tuple(slice(None) if d in spread.dims else coordinate[d] for d in range(spread.mesh.ndim))
+    return spread.mesh.mesh[index].reshape(-1).tolist()
+
+
+def covers_world(mesh) -> bool:
+    """Is every rank of the default process group in `mesh` (one all-gather over it reaches every mesh rank)?"""
+    return mesh.size() == world_size()
 
 
 def partial_dims(name: str, param: torch.Tensor, grad: torch.Tensor) -> list[int]:
@@ -90,17 +125,15 @@ def holds_reduced(mesh, dims: list[int]) -> bool:
     return all(coordinate[i] == 0 for i in dims)
 
 
-def shard_dim(t: torch.Tensor) -> int | None:
-    """The tensor dim along which a DTensor is sharded (its Shard placement; see shard_group), None if none."""
-    from torch.distributed.tensor import Shard
-
-    return next((p.dim % t.ndim for p in t.placements if isinstance(p, Shard)), None)
+def sharded_dims(t: torch.Tensor) -> list[int]:
+    """The tensor dims along which a DTensor is sharded (its Shard placements' dims, in order, without repeats)."""
+    return sorted({p.dim % t.ndim for p in t.placements if isinstance(p, _shards())})
 
 
 def whole_norm(name: str, param: torch.Tensor, norm_type: float) -> torch.Tensor:
     """The `norm_type` norm of a sharded parameter's whole gradient (float64, 0-dim): this rank's part (of a partial
-    gradient, reduced first: `reduce_partial`), then one all-reduce across the shards (every rank must call it). An
-    empty shard contributes nothing."""
+    gradient, reduced first: `reduce_partial`), then one all-reduce across the shards per sharded mesh dimension
+    (every rank must call it). An empty shard contributes nothing."""
     dist = dist_module()
     grad = param.grad
     partial = partial_dims(name, param, grad)
@@ -114,7 +147,7 @@ def whole_norm(name: str, param: torch.Tensor, norm_type: float) -> torch.Tensor
         op = dist.ReduceOp.MIN
     else:
         value, op = local.abs().pow(norm_type).sum(), dist.ReduceOp.SUM
-    group = shard_group(name, param)
-    if group is not None:
-        dist.all_reduce(value, op=op, group=group)
+    spread = shard_spread(name, param)
+    for d in spread.dims if spread is not None else ():  # over the shards of every sharded mesh dimension
+        dist.all_reduce(value, op=op, group=spread.mesh.get_group(d))
     return value if norm_type in (math.inf, -math.inf) else value.pow(1.0 / norm_type)

@@ -156,3 +156,18 @@ def test_tensor_parallel_with_a_sequence_parallel_norm():
     norm's Partial(sum) gradients are reduced before the body; gradients, statistics and fh.clip_grad_norm_ equal the
     unsharded eager oracle on every rank."""
     spawn(dist_workers.tensor_parallel, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["1x2", "2x1"])
+def test_fsdp2_with_tensor_parallel(mesh):
+    """torchtitan's FSDP2 + TP (parallelize_module on tp, then fully_shard on dp; a SequenceParallel norm) on a 2-rank
+    (dp, tp) mesh, and HSDP on the same mesh: gradients, statistics (one collective per backward) and
+    fh.clip_grad_norm_ equal the unsharded eager oracle on every rank."""
+    spawn(getattr(dist_workers, f"fsdp_tp_{mesh}"), 2)
+
+
+@pytest.mark.slow
+def test_fsdp2_with_tensor_parallel_on_four_ranks():
+    """The same on a (2, 2) mesh of 4 gloo ranks: weights sharded along both mesh dimensions."""
+    spawn(dist_workers.fsdp_tp_2x2, 4, timeout=240)
