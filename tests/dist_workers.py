@@ -332,26 +332,58 @@ def fsdp(rank: int, world: int, device) -> None:
         fsdp_dims(rank, world, device)
         fsdp_elementwise(rank, world, device)
         fsdp_registration_windows(rank, world, device)
-        fsdp_step_in_backward_refused(rank, world, device)
+        fsdp_step_in_backward(rank, world, device)
 
 
-def fsdp_step_in_backward_refused(rank: int, world: int, device) -> None:
-    """register(sharded model, optimizer=): the step inside the backward does not take FSDP2's DTensor parameters
-    (refused before anything is registered); registered before fully_shard, the next forward refuses it."""
+def fsdp_step_in_backward(rank: int, world: int, device) -> None:
+    """register(sharded model, optimizer=fh.AdamW/fh.SGD): each rank steps its shard of each parameter at its firing
+    (FSDP2 calls the hooks after its reduce-scatter) and frees the gradient. The parameters equal, bit for bit, those
+    of the same FSDP2 model with eager clamp hooks and the same optimizer stepped after the backward (the same
+    elementwise kernel on the same shards), and torch's optimizer's within fp32 rounding; the statistics are the
+    whole parameters'. Registered with optimizer= before fully_shard, the next forward refuses it (the optimizer
+    holds the parameters fully_shard replaced)."""
     from torch.distributed.fsdp import fully_shard
 
     import fusedhooks as fh
 
+    adamw, sgd = {"lr": 1e-2, "weight_decay": 0.1}, {"lr": 1e-2, "momentum": 0.9, "nesterov": True}
+    for ours, theirs, options in ((fh.AdamW, torch.optim.AdamW, adamw), (fh.SGD, torch.optim.SGD, sgd)):
+        base = _fsdp_mlp(device)
+        model, after, plain = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+        for m in (model, after, plain):
+            fully_shard(m[0])
+            fully_shard(m)
+        opt, after_opt = ours(model.parameters(), **options), ours(after.parameters(), **options)
+        torch_opt = theirs(plain.parameters(), foreach=False, **options)
+        hook = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP), stats=("norm", "absmax"))
+        hook.register(model, optimizer=opt)
+
+        def clamp(q):
+            q.grad.to_local().clamp_(-CLAMP, CLAMP)
+
+        for q in (*after.parameters(), *plain.parameters()):
+            q.register_post_accumulate_grad_hook(clamp)
+        for step in range(3):
+            x = _batch(rank, step, 0, 5, device)
+            _loss(model, x).backward()
+            assert all(p.grad is None for p in model.parameters()), "the gradients freed at their firing"
+            opt.step()  # steps nothing: every parameter was stepped in the backward
+            for m, o in ((after, after_opt), (plain, torch_opt)):
+                _loss(m, x).backward()
+                if m is after:
+                    reading = hook.stats.read()
+                    for name, q in after.named_parameters():
+                        check_stats(reading[name], q.grad.full_tensor(), ("norm", "absmax"))
+                o.step()
+                o.zero_grad()
+            for (name, p), q, r in zip(model.named_parameters(), after.parameters(), plain.parameters()):
+                assert torch.equal(p.to_local(), q.to_local()), (ours.__name__, step, name)
+                torch.testing.assert_close(p.to_local(), r.to_local(), msg=f"{ours.__name__} {step} {name}")
     model = _fsdp_mlp(device)
+    fh.grad_hook(lambda g: g * 2).register(model, optimizer=fh.AdamW(model.parameters()))
     fully_shard(model)
-    hook = fh.grad_hook(lambda g: g * 2)
-    opt = fh.AdamW(model.parameters())
-    _raises(ValueError, "sharded (FSDP2, DTensor)", lambda: hook.register(model, optimizer=opt))
-    assert len(hook.registry) == 0, "a refused register() must leave nothing registered"
-    model = _fsdp_mlp(device)
-    hook.register(model, optimizer=fh.AdamW(model.parameters()))
-    fully_shard(model)
-    _raises(RuntimeError, "does not take sharded (FSDP2) parameters", lambda: model(torch.randn(4, 5, device=device)))
+    _raises(RuntimeError, "Build the optimizer on the sharded parameters and register after fully_shard",
+            lambda: model(torch.randn(4, 5, device=device)))
 
 
 def fsdp_elementwise(rank: int, world: int, device) -> None:
@@ -796,6 +828,24 @@ def tensor_parallel(rank: int, world: int, device) -> None:
             _check_against_oracle(hook, model, ref, magnitudes, world, 8 * world + 4, (backend, step))
             model.zero_grad()
             ref.zero_grad()
+    # the optimizer step inside the backward on the shards (the norm's Partial gradients reduced first, then stepped
+    # by torch's single-tensor step): the same parameters as the same optimizer after the backward
+    stepped, after = _tp_model(device), _tp_model(device)
+    for m in (stepped, after):
+        parallelize_module(m, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                     "down": RowwiseParallel(output_layouts=Shard(1))})
+    opt, after_opt = fh.AdamW(stepped.parameters(), lr=1e-2), fh.AdamW(after.parameters(), lr=1e-2)
+    fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP)).register(stepped, optimizer=opt)
+    fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP)).register(after)
+    for step in range(2):
+        x = torch.randn(2, 4 * world, 8, generator=torch.Generator().manual_seed(step)).to(device)
+        for m in (stepped, after):
+            _tp_forward(m, x.chunk(world, dim=1)[rank]).square().sum().backward()
+        assert all(p.grad is None for p in stepped.parameters())
+        after_opt.step()
+        after_opt.zero_grad()
+        for (name, p), q in zip(stepped.named_parameters(), after.parameters()):
+            assert torch.equal(p.full_tensor(), q.full_tensor()), ("stepped in the backward", step, name)
     early = _tp_model(device)["up"]
     fh.grad_hook(stats=("norm",)).register(early)  # before parallelize_module, which replaces the parameters
     parallelize_module(early, mesh, ColwiseParallel())
@@ -816,7 +866,7 @@ def _fsdp_tp(rank: int, world: int, device, shape: tuple[int, int]) -> None:
     refused at register. Then HSDP on the same mesh (dp replicas of a model sharded over tp)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Partial, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     import fusedhooks as fh
@@ -886,6 +936,10 @@ def _fsdp_tp(rank: int, world: int, device, shape: tuple[int, int]) -> None:
                 model.zero_grad()
                 ref.zero_grad()
     shards.all_gather_single, shards.covers_world = all_gather, covers_world
+    partial = torch.nn.Parameter(DTensor.from_local(torch.ones(4, device=device), mesh, [Shard(0), Partial()]))
+    _raises(ValueError, "a DTensor placed as (Shard(dim=0), Partial(sum)); fusedhooks merges the statistics of "
+            "parameters sharded along mesh dimensions", functools.partial(fh.grad_hook(stats=("norm",)).register,
+                                                                        [("partial", partial)]))
 
 
 def fsdp_tp_1x2(rank: int, world: int, device) -> None:

@@ -43,12 +43,26 @@ __all__ = ["AdamW", "SGD"]
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a kernel reads for `t`: this rank's shard of a DTensor (FSDP2, tensor parallel), else `t`."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
 def _takes(p: torch.Tensor, states: list[torch.Tensor]) -> bool:
     """Do the kernels step `p` (its gradient and its states `states`): a Triton device, a dtype they know, every
-    tensor contiguous, the gradient of the parameter's dtype."""
+    tensor contiguous, the gradient of the parameter's dtype; a DTensor's shards, where its gradient and states are
+    placed as it is (the step is elementwise: each rank steps its shard; a Partial gradient goes to torch's step)."""
     g = p.grad
-    return (p.dtype in KERNEL_DTYPES and g.dtype == p.dtype and p.is_contiguous() and g.is_contiguous()
-            and all(s.is_contiguous() for s in states) and launcher.choose_backend(p.device) == "triton")
+    if is_dtensor(p) and not all(is_dtensor(t) and t.placements == p.placements for t in [g, *states]):
+        return False
+    return (p.dtype in KERNEL_DTYPES and g.dtype == p.dtype and _local(p).is_contiguous()
+            and _local(g).is_contiguous() and all(_local(s).is_contiguous() for s in states)
+            and launcher.choose_backend(p.device) == "triton")
+
+
+def _addresses(tensors: list[torch.Tensor]) -> list[int]:
+    """The data addresses of `tensors` (of a DTensor: this rank's shard's)."""
+    return [_local(t).data_ptr() for t in tensors]
 
 
 def _hyper(values: list, device: torch.device) -> torch.Tensor:
@@ -185,7 +199,7 @@ class _KernelSteps:
         for key in keys:
             if key in state and state[key].dtype != torch.float32:
                 state[key] = state[key].float()
-        return state["master_param"].data_ptr()
+        return _local(state["master_param"]).data_ptr()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load_state_dict, which casts every state to its parameter's dtype; with master weights the fp32
@@ -286,10 +300,6 @@ class BackwardSteps:
             raise ValueError(f"step_in_backward: {len(missing)} of the {len(params)} tensors (the first at position "
                              f"{missing[0]}) are not parameters of this {type(optimizer).__name__}: build the "
                              "optimizer on the parameters the hook is registered on")
-        for p in params:
-            if is_dtensor(p):
-                raise ValueError("the optimizer step inside the backward does not take sharded (FSDP2, DTensor) "
-                                 "parameters yet: step after the backward (opt.step())")
         self.optimizer, self.keep_grads = optimizer, bool(keep_grads)
         self._groups = {id(p): groups[id(p)] for p in params}
         self._last: dict[int, GraphTask | None] = {}  # id(param) -> the backward of its last step
@@ -357,16 +367,17 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
             ps = [kernel[i] for i in members]
             steps = [self.state[p]["step"] for p in ps]
             torch._foreach_add_(steps, 1)
-            live = [p for p in ps if p.numel()]
+            live = [p for p in ps if _local(p).numel()]
             if not live:
                 continue
             masters = [self._master_of(p, self.state[p], ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")) for p in live]
-            parts = {"param": [p.data_ptr() for p in live], "grad": [p.grad.data_ptr() for p in live],
-                     "state1": [self.state[p]["exp_avg"].data_ptr() for p in live],
-                     "state2": [self.state[p]["exp_avg_sq"].data_ptr() for p in live],
-                     "state3": [self.state[p]["max_exp_avg_sq"].data_ptr() if amsgrad else 0 for p in live],
+            parts = {"param": _addresses(live), "grad": _addresses([p.grad for p in live]),
+                     "state1": _addresses([self.state[p]["exp_avg"] for p in live]),
+                     "state2": _addresses([self.state[p]["exp_avg_sq"] for p in live]),
+                     "state3": _addresses([self.state[p]["max_exp_avg_sq"] for p in live]) if amsgrad else
+                     [0] * len(live),
                      "step": [self.state[p]["step"].data_ptr() for p in live],
-                     "numel": [p.numel() for p in live], "first_step": [0] * len(live), "master": masters}
+                     "numel": [_local(p).numel() for p in live], "first_step": [0] * len(live), "master": masters}
             table = self._table((index, device, dtype, tag), parts, device)
             stochastic, seed = self._rounding(dtype)
             hyper = self._hyper_for(index, [group["lr"], beta1, beta2, group["eps"], group["weight_decay"]] + seed,
@@ -423,15 +434,16 @@ class SGD(_KernelSteps, torch.optim.SGD):
                 for p, is_first in zip(ps, first):
                     if is_first:  # the kernel writes it: the gradient (weight decay included), as torch's clone
                         self.state[p]["momentum_buffer"] = torch.empty_like(p, dtype=self._state_dtype(p))
-            first = [f for p, f in zip(ps, first) if p.numel()]
-            live = [p for p in ps if p.numel()]
+            first = [f for p, f in zip(ps, first) if _local(p).numel()]
+            live = [p for p in ps if _local(p).numel()]
             if not live:
                 continue
             masters = [self._master_of(p, self.state[p], ("momentum_buffer",)) for p in live]
-            parts = {"param": [p.data_ptr() for p in live], "grad": [p.grad.data_ptr() for p in live],
-                     "state1": [self.state[p]["momentum_buffer"].data_ptr() if momentum != 0 else 0 for p in live],
+            parts = {"param": _addresses(live), "grad": _addresses([p.grad for p in live]),
+                     "state1": _addresses([self.state[p]["momentum_buffer"] for p in live]) if momentum != 0 else
+                     [0] * len(live),
                      "state2": [0] * len(live), "state3": [0] * len(live), "step": [0] * len(live),
-                     "numel": [p.numel() for p in live], "first_step": first, "master": masters}
+                     "numel": [_local(p).numel() for p in live], "first_step": first, "master": masters}
             table = self._table((index, device, dtype, tag), parts, device)
             stochastic, seed = self._rounding(dtype)
             hyper = self._hyper_for(index, [group["lr"], momentum, group["dampening"], group["weight_decay"]] + seed,

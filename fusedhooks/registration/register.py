@@ -396,9 +396,9 @@ class _FollowParameters:
         if {id(t) for _, t in pairs} != now:
             if handle.step_in_backward is not None:
                 raise RuntimeError(f"{registration.hook_name} was registered with optimizer= on this "
-                                   f"{type(mod).__name__}, whose parameters fully_shard has replaced since: the step "
-                                   "inside the backward does not take sharded (FSDP2) parameters yet. Step after the "
-                                   "backward (opt.step())")
+                                   f"{type(mod).__name__}, whose parameters fully_shard has replaced since: the "
+                                   "optimizer holds the parameters of before, which no gradient reaches any more. "
+                                   "Build the optimizer on the sharded parameters and register after fully_shard")
             handle.untrack()
             registration.check_targets(pairs)
             registration.register_pairs(pairs, self.bucket_bytes, handle, self.calls)

@@ -75,6 +75,14 @@ def test_fsdp2_nccl():
     spawn(dist_workers.fsdp, 2, backend="nccl")
 
 
+@pytest.mark.gpu
+@gpus
+@pytest.mark.parametrize("worker", ["tensor_parallel", "fsdp_tp_1x2", "fsdp_tp_2x1"])
+def test_tensor_parallel_nccl(worker):
+    """Tensor parallelism with a SequenceParallel norm, FSDP2 + TP and HSDP on 2 GPUs with NCCL."""
+    spawn(getattr(dist_workers, worker), 2, backend="nccl")
+
+
 # --- the merge of shard partials, in one process: every statistic of the whole from the shards' kernels ------
 
 ALL = ("count", "sum", "mean", "sumsq", "norm", "var", "std", "min", "max", "absmax", "nan", "inf", "zeros")
