@@ -8,6 +8,8 @@ N_PARTIALS fp64 values per program; the program that finishes last merges the ro
 import triton
 import triton.language as tl
 
+from .elementwise import HARDWARE_CASTS
+
 #: slots of a partials row: sum, sum of squares, M2 (sum of squared deviations from the block mean),
 #: min, max, counts of NaN, +-Inf and zeros, M3 and M4 (sums of the deviations' cubes and fourth powers); the rest of
 #: the row is padding
@@ -43,11 +45,41 @@ def _fma_rows(x, y, acc, V: tl.constexpr):
 
 
 @triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _row_extremes(x, mask, FULL: tl.constexpr, VEC: tl.constexpr):
-    """(least, largest) value of each V adjacent valid lanes of x [TILE] ([TILE // VEC] each; +Inf, -Inf for none)."""
-    mn = tl.min(tl.reshape(_valid(x, mask, float("inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1)
-    mx = tl.max(tl.reshape(_valid(x, mask, float("-inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1)
+    """(least, largest) value of each VEC adjacent valid lanes of x [TILE] ([TILE // VEC] each; +Inf, -Inf for none;
+    NaN for both where one lane is NaN). On a GPU the row's minimum and maximum propagate the NaN (FMNMX.NAN, as
+    cheap as the plain one); the interpreter, whose custom reductions run lane by lane, marks the rows with a NaN."""
+    if HARDWARE_CASTS:
+        mn = tl.reduce(tl.reshape(_valid(x, mask, float("inf"), FULL), [x.shape[0] // VEC, VEC]), 1, _min_nan)
+        mx = tl.reduce(tl.reshape(_valid(x, mask, float("-inf"), FULL), [x.shape[0] // VEC, VEC]), 1, _max_nan)
+    else:
+        mn = tl.min(tl.reshape(_valid(x, mask, float("inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1)
+        mx = tl.max(tl.reshape(_valid(x, mask, float("-inf"), FULL), [x.shape[0] // VEC, VEC]), axis=1)
+        nan = tl.max(tl.reshape(_valid(x != x, mask, False, FULL).to(tl.int32), [x.shape[0] // VEC, VEC]), axis=1)
+        mn = tl.where(nan > 0, float("nan"), mn)
+        mx = tl.where(nan > 0, float("nan"), mx)
     return mn, mx
+
+
+@triton.jit
+def _extremes_bits(mn, mx, FULL: tl.constexpr):
+    """What `_abs_bits` gives for a tile, from its rows' least and largest values (`_row_extremes`: a row holding a
+    NaN has NaN for both): the bits of the largest |x| as int32, a NaN's above an Inf's; a row without valid lanes
+    (mn > mx: +Inf, -Inf) counts 0. One operation per row, where `_abs_bits` takes two per element."""
+    bits = tl.maximum(mn.to(tl.int32, bitcast=True) & 0x7FFFFFFF, mx.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    if not FULL:
+        bits = tl.where(mn > mx, 0, bits)
+    return tl.max(bits, axis=0)
 
 
 @triton.jit
@@ -136,8 +168,13 @@ def stats_first(x, mask, n_tile,
     nan = zero
     inf = zero
     zeros = zero
+    if MINMAX:
+        mn, mx = _row_extremes(x, mask, FULL, VEC)
     if (SUM or SUMSQ) and x.dtype != tl.float64:
-        shift = _shift_of(_abs_bits(x, mask, FULL))
+        if MINMAX:
+            shift = _shift_of(_extremes_bits(mn, mx, FULL))
+        else:
+            shift = _shift_of(_abs_bits(x, mask, FULL))
     if SUM or SUMSQ:
         xs = _scaled(x, mask, shift, FULL)
     if SUM:
@@ -148,8 +185,6 @@ def stats_first(x, mask, n_tile,
             sd, sd2, sd3, sd4 = _add_deviations(xs, ks, mask, sd, sd2, sd3, sd4, M34, FULL, VEC)
     if SUMSQ:
         sx2 = _fma_rows(xs, xs, sx2, VEC)
-    if MINMAX:
-        mn, mx = _row_extremes(x, mask, FULL, VEC)
     if COUNTS:
         nan = _count_rows(x != x, mask, FULL, VEC)
         inf = _count_rows(tl.abs(x) == float("inf"), mask, FULL, VEC)
@@ -167,8 +202,13 @@ def stats_add(x, mask, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, 
     add; per tile one int32 maximum of |x| (the scale, and whether the tile holds a NaN or an Inf at all); rare: when
     it finds a larger value than the tiles before, the running sums rescaled by a power of two, and a tile's NaN and
     Inf counted."""
+    if MINMAX:
+        tile_mn, tile_mx = _row_extremes(x, mask, FULL, VEC)
     if x.dtype != tl.float64 and (SUM or SUMSQ or COUNTS):
-        bits = _abs_bits(x, mask, FULL)
+        if MINMAX:  # from the extremes the statistics need anyway: nothing more per element
+            bits = _extremes_bits(tile_mn, tile_mx, FULL)
+        else:
+            bits = _abs_bits(x, mask, FULL)
     if SUM or SUMSQ:
         if x.dtype != tl.float64:
             tile_shift = _shift_of(bits)
@@ -193,7 +233,6 @@ def stats_add(x, mask, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, 
     if SUMSQ:
         sx2 = _fma_rows(xs, xs, sx2, VEC)
     if MINMAX:
-        tile_mn, tile_mx = _row_extremes(x, mask, FULL, VEC)
         mn = tl.minimum(mn, tile_mn)
         mx = tl.maximum(mx, tile_mx)
     if COUNTS:
