@@ -292,3 +292,38 @@ def test_the_firings_of_one_step_share_the_hyper_parameters_copy(monkeypatch):
     schedule.step()
     loss_of(model, data[2]).backward()
     assert len(copies) == 2 and copies[1][0] == 0.05
+
+
+def test_clip_by_the_previous_steps_global_norm_inside_the_backward():
+    """docs/optimizers.md's recipe: a body scaling by a device coefficient, set after each backward from that step's
+    total input norm read on the device (`hook.stats.tensor`, no sync): each step clips by the previous step's global
+    norm. Stepped inside the backward, the parameters equal the same hook then the same optimizer after the backward
+    bit for bit; the coefficient is min(1, max_norm / the previous step's unclipped total norm)."""
+    max_norm = 0.05
+    models = [mlp((8, 16, 5)) for _ in range(2)]
+    opts = [OPTIMIZERS["sgd"](m.parameters()) for m in models]
+    coefs = [torch.ones(()) for _ in range(2)]
+
+    def scaled_by(coef):
+        return fh.grad_hook(lambda g: g * coef, input_stats=("norm",))
+
+    hooks = [scaled_by(c) for c in coefs]
+    hooks[0].register(models[0], optimizer=opts[0])
+    hooks[1].register(models[1])
+    clipped = 0
+    for batch in batches(torch.float32, 4):
+        for model, opt, hook, coef in zip(models, opts, hooks, coefs):
+            opt.zero_grad()
+            loss_of(model, batch).backward()
+            if model is models[1]:
+                unclipped = torch.linalg.vector_norm(torch.stack([
+                    torch.linalg.vector_norm(p.grad.double() / coef.double()) for p in model.parameters()]))
+            opt.step()
+            norms = hook.stats.tensor[:, hook.stats.slot_names.index("input.norm")]
+            total = torch.linalg.vector_norm(norms.nan_to_num(0.0))
+            coef.copy_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        assert_same_steps(models, opts)
+        assert torch.equal(coefs[0], coefs[1])
+        torch.testing.assert_close(total, unclipped, rtol=1e-5, atol=0)
+        clipped += int(coefs[0].item() < 1)
+    assert clipped >= 2, "the recipe never clipped: max_norm is too large for the test to check anything"
