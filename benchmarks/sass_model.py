@@ -203,29 +203,33 @@ def bytes_per_element(hook, dtype) -> int:
 @dataclass(frozen=True)
 class Pass:
     """One kernel of a hook's plan as the model counts it: its SASS, a program's `elements` in `tiles` steps (the
-    first before the loop when `peeled`, else every one in it, a thread loading `tile_load_bytes` per step), its
+    first before the loop; with `tile_load_bytes`, every one in it, a thread loading that many bytes per step), its
     warps, and the bytes it moves per element of the gradient."""
 
     name: str
     sass: str
     elements: int
     tiles: int
-    peeled: bool
     tile_load_bytes: float | None
     warps: int
     bytes_per_element: int
 
     def counts(self) -> dict[str, int]:
         """Instructions a program executes, by pipe (executed_opcodes, pipe_counts)."""
-        return pipe_counts(executed_opcodes(self.sass, self.tiles, None if self.peeled else self.tile_load_bytes))
+        return pipe_counts(executed_opcodes(self.sass, self.tiles, self.tile_load_bytes))
+
+
+def over_copy(seconds_per_element: float, dtype, gpu: Gpu) -> float:
+    """A time per element of a `dtype` gradient over a copy's of it on `gpu` (a read and a write, as stats_cost.py
+    measures)."""
+    return seconds_per_element / (2 * dtype.itemsize / gpu.copy_bytes_per_s)
 
 
 def predicted_time_over_copy(hook, dtype, gpu: Gpu, shape: tuple[int, ...] | None = None) -> float:
     """The predicted time of `hook`'s kernels for one `dtype` gradient (of `shape` when its body reduces over
     dimensions, else of many blocks) on `gpu`, over a copy of the gradient: the sum of its passes' times."""
-    seconds = sum(predict(p.counts(), gpu, p.elements, p.warps, p.bytes_per_element)["seconds_per_element"]
-                  for p in plan_passes(hook, dtype, gpu.arch, shape))
-    return seconds / (2 * dtype.itemsize / gpu.copy_bytes_per_s)
+    return over_copy(sum(predict(p.counts(), gpu, p.elements, p.warps, p.bytes_per_element)["seconds_per_element"]
+                         for p in plan_passes(hook, dtype, gpu.arch, shape)), dtype, gpu)
 
 
 def tiles_per_program(block: int, dtype) -> int:
@@ -300,14 +304,14 @@ def plan_passes(hook, dtype, arch: int, shape: tuple[int, ...] | None = None) ->
             tile = plan.units.reduce_tile(r)
             _, span = plan.units.reduce_splits(r)
             tiles = -(-span // tile.elements)
-            passes.append(Pass(name, _sass(fn, signature, constexprs, warps, arch), tile.units * span, tiles, False,
+            passes.append(Pass(name, _sass(fn, signature, constexprs, warps, arch), tile.units * span, tiles,
                                tile.size * reads * dtype.itemsize / (warps * 32), warps, moved))
         elif spec.one_pass:
             passes.append(Pass(name, _sass(fn, signature, constexprs, warps, arch),
-                               constexprs["UNITS"] * constexprs["ELEMENTS"], 1, True, None, warps, moved))
+                               constexprs["UNITS"] * constexprs["ELEMENTS"], 1, None, warps, moved))
         else:
             passes.append(Pass(name, _sass(fn, signature, constexprs, warps, arch), block,
-                               tiles_per_program(block, dtype), True, None, warps, moved))
+                               tiles_per_program(block, dtype), None, warps, moved))
     return passes
 
 
@@ -360,10 +364,9 @@ def main(argv=None) -> int:
                     by_arch[gpu.arch] = (kernel.counts(), kernel.elements, kernel.warps)
                 counts, block, warps = by_arch[gpu.arch]
                 prediction = predict(counts, gpu, block, warps, moved)
-                # over a copy of the gradient (a read and a write), as stats_cost.py measures, for the read-only
-                # row too
-                over_copy = prediction["seconds_per_element"] / (2 * dtype.itemsize / gpu.copy_bytes_per_s)
-                row["gpus"][gpu.name] = {"time_over_copy": over_copy, **prediction,
+                # over a copy of the gradient, for the read-only row too
+                row["gpus"][gpu.name] = {"time_over_copy": over_copy(prediction["seconds_per_element"], dtype, gpu),
+                                         **prediction,
                                          "counts": counts, "block": block, "warps": warps}
             measured = MEASURED_TIME_OVER_COPY.get(dname, {}).get(name)
             row["h200_measured_time_over_copy"] = measured
@@ -416,7 +419,7 @@ def _workload_rows(gpus: list[Gpu], dtypes: list[str]) -> list[dict]:
                 kernels = [(name_, predict(counts, gpu, elements, warps, moved))
                            for name_, counts, elements, warps, moved in by_arch[gpu.arch]]
                 seconds = sum(p["seconds_per_element"] for _, p in kernels)
-                row["gpus"][gpu.name] = {"time_over_copy": seconds / (2 * dtype.itemsize / gpu.copy_bytes_per_s),
+                row["gpus"][gpu.name] = {"time_over_copy": over_copy(seconds, dtype, gpu),
                                          "kernels": {k: {"bound": p["bound"], "seconds_per_element":
                                                          p["seconds_per_element"]} for k, p in kernels}}
             fh_us, compiled_us = measured.get(name, (None, None))

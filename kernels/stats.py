@@ -83,6 +83,16 @@ def _extremes_bits(mn, mx, FULL: tl.constexpr):
 
 
 @triton.jit
+def _magnitude_bits(x, mask, mn, mx, MINMAX: tl.constexpr, FULL: tl.constexpr):
+    """The bits of a tile's largest |x| (`_abs_bits`): from its rows' extremes `mn`, `mx` where the statistics keep
+    them (MINMAX: nothing more per element), else from every lane."""
+    if MINMAX:
+        return _extremes_bits(mn, mx, FULL)
+    else:
+        return _abs_bits(x, mask, FULL)
+
+
+@triton.jit
 def _count_rows(flags, mask, FULL: tl.constexpr, VEC: tl.constexpr):
     """How many valid lanes of each VEC adjacent ones have `flags` set, as fp32 ([TILE // VEC])."""
     return _rows(_valid(flags, mask, False, FULL).to(tl.float32), VEC)
@@ -171,10 +181,7 @@ def stats_first(x, mask, n_tile,
     if MINMAX:
         mn, mx = _row_extremes(x, mask, FULL, VEC)
     if (SUM or SUMSQ) and x.dtype != tl.float64:
-        if MINMAX:
-            shift = _shift_of(_extremes_bits(mn, mx, FULL))
-        else:
-            shift = _shift_of(_abs_bits(x, mask, FULL))
+        shift = _shift_of(_magnitude_bits(x, mask, mn, mx, MINMAX, FULL))
     if SUM or SUMSQ:
         xs = _scaled(x, mask, shift, FULL)
     if SUM:
@@ -202,13 +209,12 @@ def stats_add(x, mask, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, 
     add; per tile one int32 maximum of |x| (the scale, and whether the tile holds a NaN or an Inf at all); rare: when
     it finds a larger value than the tiles before, the running sums rescaled by a power of two, and a tile's NaN and
     Inf counted."""
+    tile_mn = mn
+    tile_mx = mx
     if MINMAX:
         tile_mn, tile_mx = _row_extremes(x, mask, FULL, VEC)
     if x.dtype != tl.float64 and (SUM or SUMSQ or COUNTS):
-        if MINMAX:  # from the extremes the statistics need anyway: nothing more per element
-            bits = _extremes_bits(tile_mn, tile_mx, FULL)
-        else:
-            bits = _abs_bits(x, mask, FULL)
+        bits = _magnitude_bits(x, mask, tile_mn, tile_mx, MINMAX, FULL)
     if SUM or SUMSQ:
         if x.dtype != tl.float64:
             tile_shift = _shift_of(bits)

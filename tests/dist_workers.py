@@ -357,12 +357,7 @@ def fsdp_step_in_backward(rank: int, world: int, device) -> None:
         torch_opt = theirs(plain.parameters(), foreach=False, **options)
         hook = fh.grad_hook(lambda g: g.clamp(-CLAMP, CLAMP), stats=("norm", "absmax"))
         hook.register(model, optimizer=opt)
-
-        def clamp(q):
-            q.grad.to_local().clamp_(-CLAMP, CLAMP)
-
-        for q in (*after.parameters(), *plain.parameters()):
-            q.register_post_accumulate_grad_hook(clamp)
+        _clamp_eagerly(after, plain)
         for step in range(3):
             x = _batch(rank, step, 0, 5, device)
             _loss(model, x).backward()
@@ -751,13 +746,14 @@ def _term_magnitudes(ref: torch.nn.Module) -> dict:
     return magnitudes
 
 
-def _clamp_eagerly(ref: torch.nn.Module) -> None:
-    """The oracle's hooks: each gradient clamped in place by a plain post-accumulate hook."""
+def _clamp_eagerly(*models: torch.nn.Module) -> None:
+    """The oracles' hooks: each gradient (a DTensor's shard) clamped in place by a plain post-accumulate hook."""
     def clamp(q):
-        q.grad.clamp_(-CLAMP, CLAMP)
+        (q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad).clamp_(-CLAMP, CLAMP)
 
-    for q in ref.parameters():
-        q.register_post_accumulate_grad_hook(clamp)
+    for model in models:
+        for q in model.parameters():
+            q.register_post_accumulate_grad_hook(clamp)
 
 
 def _check_against_oracle(hook, model, ref, magnitudes, world: int, terms: int, what: tuple) -> None:

@@ -168,9 +168,10 @@ class ShardStats:
             if mesh is not None and covers_world(mesh):
                 rows = sorted(set().union(*(rows_by_spread[s] for s in spreads)))
                 gathered = self._gather(rows, [None])  # [world, rows, slots], global rank order
+                position = {row: i for i, row in enumerate(rows)}
                 for spread in spreads:
                     mine = sorted(rows_by_spread[spread])
-                    at = self._index_of([rows.index(r) for r in mine], gathered.device)
+                    at = self._index_of([position[r] for r in mine], gathered.device)
                     ranks = self._index_of(spread_ranks(spread), gathered.device)
                     self._store(mine, gathered.index_select(0, ranks).index_select(1, at))
                 continue

@@ -127,7 +127,8 @@ def holds_reduced(mesh, dims: list[int]) -> bool:
 
 def sharded_dims(t: torch.Tensor) -> list[int]:
     """The tensor dims along which a DTensor is sharded (its Shard placements' dims, in order, without repeats)."""
-    return sorted({p.dim % t.ndim for p in t.placements if isinstance(p, _shards())})
+    shards = _shards()
+    return sorted({p.dim % t.ndim for p in t.placements if isinstance(p, shards)})
 
 
 def whole_norm(name: str, param: torch.Tensor, norm_type: float) -> torch.Tensor:
