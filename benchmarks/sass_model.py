@@ -232,11 +232,12 @@ def predicted_time_over_copy(hook, dtype, gpu: Gpu, shape: tuple[int, ...] | Non
                          for p in plan_passes(hook, dtype, gpu.arch, shape)), dtype, gpu)
 
 
-def tiles_per_program(block: int, dtype) -> int:
-    """The tiles a program of `block` elements of `dtype` steps through (the generated kernels' TILE)."""
-    from fusedhooks.codegen.kernel_writer import TILE_ELEMENTS
+def tiles_per_program(block: int, dtype, histogram: bool = False) -> int:
+    """The tiles a program of `block` elements of `dtype` steps through (the generated kernels' TILE; `histogram`: the
+    kernel records one)."""
+    from fusedhooks.codegen.kernel_writer import tile_elements
 
-    return max(1, block // TILE_ELEMENTS[dtype])
+    return max(1, block // tile_elements(dtype, histogram))
 
 
 def _without_merge(source: str) -> str:
@@ -311,7 +312,8 @@ def plan_passes(hook, dtype, arch: int, shape: tuple[int, ...] | None = None) ->
                                constexprs["UNITS"] * constexprs["ELEMENTS"], 1, None, warps, moved))
         else:
             passes.append(Pass(name, _sass(fn, signature, constexprs, warps, arch), block,
-                               tiles_per_program(block, dtype), None, warps, moved))
+                               tiles_per_program(block, dtype, plan.hist_range is not None), None, warps,
+                               moved))
     return passes
 
 

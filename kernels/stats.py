@@ -99,6 +99,15 @@ def _count_rows(flags, mask, FULL: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
+def _zero_flags(x, finite):
+    """x == 0, compared with `finite` * 0 (a zero, for any finite fp32 `finite`) rather than a constant: with a
+    constant the compiler narrows the compare of a widened 16-bit value to a packed 16-bit one whose flags then take
+    a select and a conversion each (3.5 instructions an element with the count's add, against 2: one FSET and the
+    add)."""
+    return x == finite * 0.0
+
+
+@triton.jit
 def _scaled(x, mask, shift, FULL: tl.constexpr):
     """x times 2 ** shift (fp32; fp64 x as it is), 0 in the lanes outside `mask`."""
     if x.dtype != tl.float64:
@@ -195,7 +204,7 @@ def stats_first(x, mask, n_tile,
     if COUNTS:
         nan = _count_rows(x != x, mask, FULL, VEC)
         inf = _count_rows(tl.abs(x) == float("inf"), mask, FULL, VEC)
-        zeros = _count_rows(x == 0, mask, FULL, VEC)
+        zeros = _count_rows(_zero_flags(x, ks), mask, FULL, VEC)
     return shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, zeros
 
 
@@ -242,7 +251,7 @@ def stats_add(x, mask, shift, ks, mn, mx, sx, sx2, sd, sd2, sd3, sd4, nan, inf, 
         mn = tl.minimum(mn, tile_mn)
         mx = tl.maximum(mx, tile_mx)
     if COUNTS:
-        zeros += _count_rows(x == 0, mask, FULL, VEC)
+        zeros += _count_rows(_zero_flags(x, ks), mask, FULL, VEC)
         if x.dtype == tl.float64:
             nan += _count_rows(x != x, mask, FULL, VEC)
             inf += _count_rows(tl.abs(x) == float("inf"), mask, FULL, VEC)

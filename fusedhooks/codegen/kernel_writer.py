@@ -144,7 +144,7 @@ class KernelWriter:
     def prologue(self) -> list[str]:
         """The lines before the tiles of a kernel over blocks of BLOCK elements: `header`, the tile's size and the
         program's valid elements (see `tiled`)."""
-        tile = TILE_ELEMENTS[self.g.grad_dtype]
+        tile = tile_elements(self.g.grad_dtype, bool(self.hist_sets))
         return self.header() + [f"TILE: tl.constexpr = min(BLOCK, {tile})  # elements per step over the block",
                                 "n_valid = tl.minimum(numel - pid * BLOCK, BLOCK).to(tl.int32)  # this program's"]
 
@@ -542,10 +542,22 @@ _STAT_INDEX = {name: i for i, name in enumerate(ALL_STAT_NAMES)}  # finalize_sta
 
 #: Bytes per element of each gradient dtype
 ELEMENT_SIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
-#: Elements per step of a program over its block (at most BLOCK): with 8 warps, 8 per thread (fp64: 2), one 128-bit
-#: access (fp32: two); the statistics' running sums take a register per 16 bytes of the tile a thread holds
-#: (kernels.stats.stats_first's VEC), not one per element
-TILE_ELEMENTS = {torch.float16: 2048, torch.bfloat16: 2048, torch.float32: 2048, torch.float64: 512}
+#: Elements per step of a program over its block (at most BLOCK): with 8 warps, 16 per thread for 16-bit gradients
+#: (two 128-bit accesses), 8 for fp32 (two), 2 for fp64 (one); the statistics' running sums take a register per 16
+#: bytes of the tile a thread holds (kernels.stats.stats_first's VEC), not one per element. The 16-bit tile is twice
+#: the fp32 one's elements: a tile's fixed work (its largest magnitude reduced over the program, the scale's test)
+#: spread over twice the elements, what bounds a 16-bit pass with two statistics sets (docs/benchmarks.md)
+TILE_ELEMENTS = {torch.float16: 4096, torch.bfloat16: 4096, torch.float32: 2048, torch.float64: 512}
+#: The 16-bit tile of a kernel recording a histogram: its per-tile histogram of 16 elements a thread takes more than
+#: the 128 registers of the build's gate on sm_90 (and spills), 8 do not
+HISTOGRAM_TILE_ELEMENTS = 2048
+
+
+def tile_elements(dtype: torch.dtype, histogram: bool) -> int:
+    """The elements of a program's step over its block (TILE_ELEMENTS) for `dtype` gradients; `histogram`: the kernel
+    records one (a 16-bit tile of HISTOGRAM_TILE_ELEMENTS)."""
+    tile = TILE_ELEMENTS[dtype]
+    return min(tile, HISTOGRAM_TILE_ELEMENTS) if histogram else tile
 
 
 def _storage_type(dtype: torch.dtype) -> str:

@@ -8,7 +8,7 @@ import torch
 
 import fusedhooks as fh
 from fusedhooks import STAT_NAMES
-from fusedhooks.codegen.kernel_writer import TILE_ELEMENTS
+from fusedhooks.codegen.kernel_writer import HISTOGRAM_TILE_ELEMENTS, TILE_ELEMENTS
 from fusedhooks.runtime import launcher
 
 from helpers import FLOAT_DTYPES, check_stats
@@ -88,3 +88,15 @@ def test_default_block_steps_through_several_tiles():
     for dtype, tile in TILE_ELEMENTS.items():
         block = launcher.default_block(dtype)
         assert block % tile == 0 and block // tile >= 8, (dtype, block, tile)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_a_kernel_recording_a_histogram_steps_through_at_most_the_histogram_tile(dtype):
+    """16-bit kernels step through 4,096 elements (two 128-bit accesses a thread), but those recording a histogram
+    through 2,048 (the registers of their per-tile histogram); the generated source says which."""
+    plain = fh.grad_hook(stats=("norm",)).source(dtype)
+    histogram = fh.grad_hook(stats=("norm", "hist")).source(dtype)
+    tile = TILE_ELEMENTS[dtype]
+    assert f"TILE: tl.constexpr = min(BLOCK, {tile})" in plain
+    assert f"TILE: tl.constexpr = min(BLOCK, {min(tile, HISTOGRAM_TILE_ELEMENTS)})" in histogram
+    assert (tile, min(tile, HISTOGRAM_TILE_ELEMENTS)) == ((4096, 2048) if dtype.itemsize == 2 else (tile, tile))
