@@ -84,7 +84,8 @@ step tests     50 env TRITON_INTERPRET=1 PYTHONPATH="$interpreter_path" "$PY" -m
 # Autotuning on this GPU: the cache written here; a later process's runtime reads it (tests/cli/test_tune.py).
 step tune      35 "$PY" -m fusedhooks tune --quick --out "$out/tuning.json"
 # The published global-clip comparison (NeMo Automodel's Triton kernel 7.32 ms, Transformer Engine 7.89 ms for norm
-# + clip on an H100): torch's clip + fused AdamW, fh.clip_grad_norm_'s scale pass + fused AdamW, the folded clip.
+# + clip on an H100): torch's clip + fused AdamW, fh.clip_grad_norm_'s scale pass + fused AdamW, the folded clip,
+# fh.AdamW's step folded and inside the backward, torch's step alone.
 step published 40 "$PY" benchmarks/run.py --device cuda --workloads clip_step --dtype bf16 --sizes published \
     --out "$scratch/published" --budget-s 30
 # The benchmark starts no new measurement after --budget-s; the time limit is the backstop. results.json is

@@ -11,6 +11,9 @@ same work on the same gradients, its own way:
     torch built-in  `clip_grad_value_`, `clip_grad_norm_`, `GradScaler.unscale_`, where one applies
     fusedhooks folded  `fh.clip_grad_norm_(hook, max_norm, optimizer=opt)` into a fused optimizer (clip_step only)
     fusedhooks step    the same fold into fusedhooks' own optimizer, `fh.AdamW` (clip_step only)
+    fusedhooks in backward  `fh.AdamW` stepping each parameter at its firing, clipped by the previous step's total
+                    norm (clip_step only)
+    torch step      torch's fused AdamW step alone, no clip (clip_step only)
     torch.compile   the `eager` hook function, compiled (default options)
     no hook         nothing: the baseline of the model step
 
@@ -203,6 +206,12 @@ class Workload:
 
     def owned_step(self, env: Env) -> Impl:
         raise NotApplicable("no optimizer step: fh.AdamW's step is clip_step's")
+
+    def in_backward(self, env: Env) -> Impl:
+        raise NotApplicable("no optimizer step: fh.AdamW's step inside the backward is clip_step's")
+
+    def torch_step(self, env: Env) -> Impl:
+        raise NotApplicable("no optimizer step: torch's fused AdamW alone is clip_step's")
 
 
 def _on_param_grad(fn: Callable, p: torch.Tensor, state, sync: bool) -> None:
@@ -468,6 +477,13 @@ class ClipStep(Workload):
                             opt.grad_scale; the step divides the gradient and writes it back (1 W)
         fusedhooks step     the same fold into fh.AdamW (lr 0): its step divides the gradient as it reads it and
                             writes nothing back (0)
+        fusedhooks in backward  fh.AdamW (lr 0) stepping each parameter at its gradient's firing, as
+                            `hook.register(model, optimizer=opt)` does inside the backward, the firing scaling the
+                            gradient by the previous step's clip coefficient (docs/optimizers.md: the exact global
+                            clip cannot exist there): per parameter the firing (R+W, its input norm recorded) then the
+                            step; after them the next coefficient from the norms, on the device (2). Timed: all of it,
+                            the work a backward would do at the firings plus the coefficient
+        torch step          torch's fused AdamW step alone, no clip (0): what the clip adds to the others
 
     Bytes per element, in element sizes: the step reads grad, param, exp_avg, exp_avg_sq and writes the last three
     (STEP_TRAFFIC = 7, all in the parameter's dtype), plus the clip's gradient traffic (CLIP_TRAFFIC). The gradient
@@ -478,7 +494,8 @@ class ClipStep(Workload):
     name, title = "clip_step", "global clip + fused AdamW step"
     STEP_TRAFFIC = 7
     #: gradient reads + writes of each provider's clip (the folded step's write-back of the divided gradient)
-    CLIP_TRAFFIC = {"torch built-in": 3, "fusedhooks": 2, "fusedhooks folded": 1, "fusedhooks step": 0}
+    CLIP_TRAFFIC = {"torch built-in": 3, "fusedhooks": 2, "fusedhooks folded": 1, "fusedhooks step": 0,
+                    "fusedhooks in backward": 2, "torch step": 0}
     after_backward_only = True
 
     def optimizer(self, env: Env) -> torch.optim.Optimizer:
@@ -517,6 +534,28 @@ class ClipStep(Workload):
             opt.step()
         return self.impl(env, "torch built-in", after)
 
+    def torch_step(self, env):
+        return self.impl(env, "torch step", self.optimizer(env).step)
+
+    def in_backward(self, env):
+        coef = torch.ones((), device=env.device)  # the previous step's clip coefficient
+        hook = fh.grad_hook(lambda g: g * coef, input_stats=("norm",))
+        opt = fh.AdamW(env.tensors, lr=0.0)
+        steps = opt.step_in_backward(env.tensors, keep_grads=True)  # kept: the next call fires on them again
+        column = hook.stats.slot_names.index("input.norm")
+
+        def firings():
+            for p in env.tensors:
+                hook(p)
+                steps(p)
+            total = torch.linalg.vector_norm(hook.stats.tensor[:, column].nan_to_num(0.0))
+            coef.copy_(torch.clamp(MAX_NORM / (total + EPS), max=1.0))
+        impl = self.impl(env, "fusedhooks in backward", firings, hook)
+        impl.hooks = []  # nothing before the timed call: the firings are the timed work
+        impl.fh_structure.update(passes=1, writes=1, launches=1,
+                                 launches_from="the firing's pass per gradient, the step's kernels not counted")
+        return impl
+
     def eager(self, env, sync=False, wrap=lambda f: f):
         raise NotApplicable("torch's clip_grad_norm_ is the eager way: the torch built-in provider")
 
@@ -554,6 +593,8 @@ PROVIDERS: dict[str, Callable[[Workload, Env], Impl]] = {
     "torch built-in": lambda w, env: w.builtin(env),
     "fusedhooks folded": lambda w, env: w.folded(env),
     "fusedhooks step": lambda w, env: w.owned_step(env),
+    "fusedhooks in backward": lambda w, env: w.in_backward(env),
+    "torch step": lambda w, env: w.torch_step(env),
     "torch.compile": lambda w, env: w.compiled(env),
     "no hook": no_hook,
 }

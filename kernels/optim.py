@@ -350,10 +350,12 @@ def build_table(parts: dict[str, list[int]], device: torch.device, element_size:
         block = min(block, GPU_BLOCK[element_size])
     programs = [v for t, n in enumerate(numels) for first in range(0, n, chunk) for v in (t, first)]
     host = torch.tensor([v for name in TABLE_PARTS for v in parts[name]] + programs, dtype=torch.int64)
-    table, kept = host.to(device), None
-    if device.type == "cuda":
+    kept = None
+    if device.type == "cuda":  # through pinned memory, stream-ordered: a pageable copy synchronises the host
         kept = host.pin_memory()
         table = kept.to(device, non_blocking=True)
+    else:
+        table = host.to(device)
     addresses = [a for name in TABLE_PARTS[:5] + ("master",) for a in parts[name] if a]
     return OptimTable(table, table_key(parts), len(numels), len(programs) // 2, block, chunk,
                       all(a % 16 == 0 for a in addresses), kept)

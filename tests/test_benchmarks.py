@@ -84,7 +84,7 @@ def test_quick_run_sweep_figures(quick):
         assert r["gbps"] > 0 and r["copy_gbps"] > 0 and r["copy_ratio"] == pytest.approx(r["gbps"] / r["copy_gbps"])
         assert r["host_us_per_firing"] > 0 and r["gradients"] == 1
         assert r["vs_fusedhooks"] > 0
-        if r["provider"] in ("fusedhooks", "fusedhooks folded", "fusedhooks step"):
+        if r["provider"] in ("fusedhooks", "fusedhooks folded", "fusedhooks step", "fusedhooks in backward"):
             assert isinstance(r["launches"], int) and r["launches"] == r["fusedhooks_plan"]["launches"]
         else:
             assert r["launches"] is None and r["launches_how"].startswith("n/a")
@@ -140,11 +140,12 @@ def test_quick_run_prints_markdown(quick):
     assert "results.json" in stdout
 
 
-def test_clip_step_times_four_paths_after_backward(quick, monkeypatch):
-    """The optimizer step after backward: torch's clip_grad_norm_ + fused AdamW, fh.clip_grad_norm_ (scale pass) +
-    fused AdamW, the clip folded into the fused step, and folded into fh.AdamW's, each with its bytes: the step's 7
-    element sizes (grad, param, exp_avg, exp_avg_sq read; the last three written) plus the clip's 3 (norm R, scale
-    R+W), 2 (scale R+W), 1 (the folded step writes the divided gradient back) and 0."""
+def test_clip_step_times_six_paths(quick, monkeypatch):
+    """The optimizer step: torch's clip_grad_norm_ + fused AdamW, fh.clip_grad_norm_ (scale pass) + fused AdamW, the
+    clip folded into the fused step, and folded into fh.AdamW's, fh.AdamW inside the backward (each firing's pass,
+    then its step) and torch's step alone, each with its bytes: the step's 7 element sizes (grad, param, exp_avg,
+    exp_avg_sq read; the last three written) plus the clip's 3 (norm R, scale R+W), 2 (scale R+W), 1 (the folded
+    step writes the divided gradient back), 0, 2 (the firing's R+W) and 0."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from harness import human
 
@@ -154,7 +155,7 @@ def test_clip_step_times_four_paths_after_backward(quick, monkeypatch):
     for dtype in data["settings"]["dtypes"]:
         for numel in data["settings"]["sizes"]:
             for provider, elements in {"torch built-in": 10, "fusedhooks": 9, "fusedhooks folded": 8,
-                                       "fusedhooks step": 7}.items():
+                                       "fusedhooks step": 7, "fusedhooks in backward": 9, "torch step": 7}.items():
                 r = results[("clip_step", provider, dtype, numel)]
                 assert r["status"] == "ok" and r["median_us"] > 0, r
                 assert r["bytes_per_element"] == elements * itemsize[dtype]
@@ -162,14 +163,17 @@ def test_clip_step_times_four_paths_after_backward(quick, monkeypatch):
             assert results[("clip_step", "fusedhooks", dtype, numel)]["fusedhooks_plan"]["passes"] == 1
             assert results[("clip_step", "fusedhooks folded", dtype, numel)]["launches"] == 0
             assert results[("clip_step", "fusedhooks step", dtype, numel)]["launches"] == 0
+            assert results[("clip_step", "fusedhooks in backward", dtype, numel)]["fusedhooks_plan"]["passes"] == 1
             assert results[("clip_step", "eager", dtype, numel)]["status"] == "n/a"
     assert "## global clip + fused AdamW step (`clip_step`)" in stdout
     # the folded provider is clip_step's alone
     assert results[("clip_stats", "fusedhooks folded", "fp32", data["settings"]["sizes"][0])]["status"] == "n/a"
-    assert results[("clip_stats", "fusedhooks step", "fp32", data["settings"]["sizes"][0])]["status"] == "n/a"
+    for provider in ("fusedhooks step", "fusedhooks in backward", "torch step"):
+        assert results[("clip_stats", provider, "fp32", data["settings"]["sizes"][0])]["status"] == "n/a"
 
 
-@pytest.mark.parametrize("provider", ["torch built-in", "fusedhooks", "fusedhooks folded", "fusedhooks step"])
+@pytest.mark.parametrize("provider", ["torch built-in", "fusedhooks", "fusedhooks folded", "fusedhooks step",
+                                      "torch step"])
 def test_clip_step_providers_clip_and_step(provider, monkeypatch):
     """Each clip_step provider's timed call (after its untimed hooks) clips the gradient to max_norm and steps the
     fused AdamW; the folded ones through opt.grad_scale, consumed by the step (fh.AdamW's leaves .grad unclipped,
@@ -197,6 +201,10 @@ def test_clip_step_providers_clip_and_step(provider, monkeypatch):
         handle.remove()
         impl.detach()
     coef = MAX_NORM / (grad.norm() + 1e-6)
+    if provider == "torch step":  # the step alone: nothing clipped
+        assert torch.equal(param.grad, grad) and scales == [None]
+        torch.testing.assert_close(param, torch.zeros_like(param))
+        return
     if provider == "fusedhooks step":
         assert torch.equal(param.grad, grad)
         (opt,) = stepped
@@ -204,6 +212,51 @@ def test_clip_step_providers_clip_and_step(provider, monkeypatch):
     else:
         torch.testing.assert_close(param.grad, grad * coef, rtol=4 * 2.0 ** -24, atol=0)
     assert len(scales) == 1 and (scales[0] is not None) == provider.startswith("fusedhooks ")
+    torch.testing.assert_close(param, torch.zeros_like(param))  # lr 0: the parameter stays
+
+
+def test_clip_step_in_backward_steps_at_each_firing_clipped_by_the_previous_steps_norm(monkeypatch):
+    """clip_step's fusedhooks in backward: each timed call fires on the gradient (scaled by the coefficient of the
+    call before: 1 at first) and steps fh.AdamW at once, never through opt.step(); then sets the next coefficient
+    from the recorded norms. Two calls: the first leaves the gradient as it is, the second clips it to MAX_NORM."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from workloads import MAX_NORM, PROVIDERS, WORKLOADS, Env
+
+    import fusedhooks as fh
+
+    param = torch.zeros(3000, requires_grad=True)
+    param.grad = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    grad = param.grad.clone()
+    env = Env(torch.device("cpu"), torch.float32, [("w", param)], torch.optim.SGD([param], lr=0.0))
+    made = []
+
+    class Recorded(fh.AdamW):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(fh, "AdamW", Recorded)
+    impl = PROVIDERS["fusedhooks in backward"](WORKLOADS["clip_step"], env)
+    assert impl.hooks == [] and impl.bytes_per_element == 9 * 4
+    impl.attach(env)
+    stepped = []
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: stepped.append(opt))
+    try:
+        with torch.no_grad():
+            impl.after()
+            assert torch.equal(param.grad, grad)  # the first call's coefficient: 1
+            impl.after()
+    finally:
+        handle.remove()
+        impl.detach()
+    coef = MAX_NORM / (grad.norm() + 1e-6)
+    torch.testing.assert_close(param.grad, grad * coef, rtol=4 * 2.0 ** -24, atol=0)
+    assert stepped == []  # stepped at the firings, not by opt.step()
+    (opt,) = made
+    assert opt.state[param]["step"].item() == 2
+    torch.testing.assert_close(opt.state[param]["exp_avg"], 0.09 * grad + 0.1 * grad * coef, rtol=16 * 2.0 ** -24,
+                               atol=0)
     torch.testing.assert_close(param, torch.zeros_like(param))  # lr 0: the parameter stays
 
 

@@ -205,6 +205,63 @@ def test_no_host_sync_in_a_firing():
     assert hook.stats.read()["0.weight"]["count"] == 64 * 64
 
 
+def test_no_host_sync_in_the_optimizer_steps():
+    """fh.AdamW inside the backward (each gradient freed at its firing, so that the next backward's land elsewhere and
+    the launch tables are made again) and after it with a tensor lr: no synchronizing call (a launch table or the
+    hyper-parameters copied from pageable memory would be one)."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda() for _ in range(2)]
+    inside = fh.AdamW(models[0].parameters(), lr=1e-3)
+    after = fh.AdamW(models[1].parameters(), lr=torch.tensor(1e-3, device="cuda"))
+    fh.grad_hook(lambda g: g.clamp(-1.0, 1.0), stats=("norm",)).register(models[0], optimizer=inside)
+    x = torch.randn(32, 64, device="cuda")
+
+    def step():
+        models[0](x).sum().backward()
+        models[1](x).sum().backward()
+        after.step()
+        after.zero_grad(set_to_none=True)
+
+    step()  # warm up: compile
+    torch.cuda.synchronize()
+    spacers = [torch.empty(64 * 64, device="cuda") for _ in range(4)]  # the next gradients land elsewhere
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(p.grad is None for p in models[0].parameters()) and spacers
+    assert all(inside.state[p]["step"].item() == 2 for p in models[0].parameters())
+
+
+def test_the_step_inside_the_backward_lowers_peak_memory_by_the_gradients():
+    """register(model, optimizer=fh.AdamW) frees each gradient at its firing: the backward's peak of allocated memory
+    (over what the forward left) is lower than with the step after the backward by the gradients' bytes, all but the
+    largest one's (which lives until its own firing), less a tenth for what else a node's backward holds beside it
+    (its layer's bias gradient, the activations' gradients)."""
+    torch.manual_seed(0)
+    peaks = {}
+    for mode in ("after", "inside"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+        opt = fh.AdamW(model.parameters(), lr=1e-3)
+        hook = fh.grad_hook(lambda g: g.clamp(-1.0, 1.0), stats=("norm",))
+        hook.register(model, optimizer=opt if mode == "inside" else None)
+        x = torch.randn(8, 1024, device="cuda")
+        for _ in range(2):  # the first allocates the optimizer's states
+            loss = model(x).sum()
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss.backward()
+            torch.cuda.synchronize()
+            peaks[mode] = torch.cuda.max_memory_allocated() - start
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        grad_bytes = sorted(p.numel() * p.element_size() for p in model.parameters())
+        del model, opt, hook
+    assert peaks["after"] - peaks["inside"] >= 0.9 * sum(grad_bytes[:-1]), (peaks, grad_bytes)
+
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(4096, 1024), (1000, 5000), (3, 4097), (64, 3, 3, 3)], ids=str)

@@ -403,13 +403,16 @@ def _are_copies(given: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
     return any(c is not g for c, g in zip(given, grads))
 
 
-#: What a global clip of gradients an optimizer steps inside the backward is refused with
+#: What a clip by the total norm (fh.clip_grad_norm_, fh.zclip's guard.step()) of gradients an optimizer steps inside
+#: the backward is refused with
 STEPPED_IN_BACKWARD_MESSAGE = (
-    "clip_grad_norm_: this hook is registered with optimizer= (the step inside the backward), which steps each "
-    "parameter at its gradient's firing, before the later gradients exist: no clip by the norm of all of them "
-    "(this backward's) can come before those steps. Clip each gradient in the hook's body (e.g. "
-    "`g * (max_norm / (g.norm() + 1e-6)).clamp(max=1.0)`, or fh.adagc), or register without optimizer= and clip "
-    "after the backward, before opt.step()")
+    "fh.clip_grad_norm_ / fh.zclip: this hook is registered with optimizer= (the step inside the backward), which "
+    "steps each parameter at its gradient's firing, before the later gradients exist: no clip by the norm of all of "
+    "them (this backward's) can come before those steps, and a ZClip guard fed that norm after the backward would "
+    "clip the step after a spike, not the spike. Clip each gradient in the hook's body (e.g. "
+    "`g * (max_norm / (g.norm() + 1e-6)).clamp(max=1.0)`), use fh.adaptive_clip (AdaGC: each tensor against its own "
+    "history, at its firing), clip by the previous step's total norm (docs/optimizers.md), or register without "
+    "optimizer= and clip after the backward, before opt.step()")
 
 
 def grads_of(hook: GradHook) -> Iterator[tuple[Entry, torch.Tensor]]:

@@ -68,10 +68,12 @@ def _addresses(tensors: list[torch.Tensor]) -> list[int]:
 def _hyper(values: list, device: torch.device) -> torch.Tensor:
     """fp64 [len(values)] on `device`, without a host sync (a tensor value, as a tensor lr, is copied on the
     device)."""
-    if not any(isinstance(v, torch.Tensor) for v in values):
-        return launcher.host_to_device([float(v) for v in values], torch.float64, device)
-    return torch.stack([v.to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor)
-                        else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values])
+    hyper = launcher.host_to_device([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values],
+                                    torch.float64, device)
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            hyper[i].copy_(v.reshape(()), non_blocking=True)
+    return hyper
 
 
 class _Scaling:

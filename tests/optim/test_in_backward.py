@@ -226,6 +226,8 @@ def test_refusals():
     loss_of(model, batches(torch.float32, 1)[0]).backward()
     with pytest.raises(ValueError, match="before the later gradients exist"):
         fh.clip_grad_norm_(hook, 1.0)
+    with pytest.raises(ValueError, match="would clip the step after a spike, not the spike"):
+        fh.zclip(hook, warmup_steps=1).step()
     # nothing was left registered by the refusals: each parameter stepped once
     assert all(opt.state[p]["step"].item() == 1 for p in model.parameters())
 

@@ -429,6 +429,28 @@ def test_lambda_lr_schedule_changes_lr_without_new_launch_configurations(monkeyp
         torch.testing.assert_close(p, q, rtol=4 * 4 * 2**-24, atol=1e-7)
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_tensor_lr_steps_as_the_same_float(name):
+    """lr given as a 0-dim tensor (as torch's optimizers take it) is read on the device beside the float
+    hyper-parameters (`_hyper`): the same parameters and states, bit for bit, as the same lr as a float, and a tensor
+    changed in place between steps is the next step's lr."""
+    make = (lambda ps, lr: fh.AdamW(ps, lr=lr, weight_decay=0.1)) if name == "adamw" else (
+        lambda ps, lr: fh.SGD(ps, lr=lr, momentum=0.9))
+    a, b = make_params(torch.float32), make_params(torch.float32)
+    lr = torch.tensor(2.0 ** -7, dtype=torch.float64)
+    opts = make(a, lr), make(b, 2.0 ** -7)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(3):
+        set_grads(a, b, torch.float32, gen)
+        for o in opts:
+            o.step()
+        lr.fill_(2.0 ** -8)  # the next step's, for the tensor; the float changed as a schedule changes it
+        opts[1].param_groups[0]["lr"] = 2.0 ** -8
+        for p, q in zip(a, b):
+            assert torch.equal(p, q), (step, p.shape)
+            assert all(torch.equal(v, opts[1].state[q][k]) for k, v in opts[0].state[p].items() if k != "step")
+
+
 def test_parameters_the_kernels_do_not_take_are_stepped_by_torch(monkeypatch):
     """A transposed (non-contiguous) parameter in the same group as contiguous ones, and a whole optimizer with the
     eager backend (CPU without the interpreter): torch's single-tensor step, the same results."""
