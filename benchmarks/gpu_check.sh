@@ -95,9 +95,9 @@ step published 40 "$PY" benchmarks/run.py --device cuda --workloads clip_step --
 # benchmarks/sass_model.py predicts from each kernel's SASS (compiled here: about 1 s a kernel); the table lands in
 # steps.log, and checks the kernels and the model at once.
 step stats-cost 50 "$PY" benchmarks/stats_cost.py --size 256M
-# The default BLOCK is 32768 elements a program in tiles of 2048: the same table at 8192 (4 tiles a program, four
-# times the programs), to see whether more programs in flight beat fewer reductions, and at 65536 (the model predicts
-# bf16 with input statistics at 1.21 of a copy's time there, 1.29 at 32768: less per-program work per element)
+# The default BLOCK is 32768 elements a program in tiles of 4096 (16-bit): the same table at 8192 (2 tiles a program,
+# four times the programs), to see whether more programs in flight beat fewer reductions, and at 65536 (the model
+# predicts bf16 with input statistics at 1.07 of a copy's time there, 1.17 at 32768 and 1.74 at 8192)
 step stats-8192 10 env FUSEDHOOKS_BLOCK=8192 "$PY" benchmarks/stats_cost.py --size 256M --dtypes bf16 --no-predict
 step stats-65536 10 env FUSEDHOOKS_BLOCK=65536 "$PY" benchmarks/stats_cost.py --size 256M --dtypes bf16 --no-predict
 # Host time per firing through Triton's dispatch and through fusedhooks' direct launch of the compiled kernel

@@ -249,7 +249,7 @@ def environment(device: torch.device) -> dict:
 #: Every result carries these fields (None where a figure does not apply; `reason` says why for n/a).
 RESULT_FIELDS = ("workload", "provider", "dtype", "numel", "status", "reason", "median_us", "p20_us", "p80_us",
                  "bytes_per_element", "gbps", "copy_gbps", "copy_ratio", "host_us_per_firing", "gradients",
-                 "launches", "launches_how", "fusedhooks_plan", "vs_fusedhooks", "added_pct")
+                 "launches", "launches_how", "fusedhooks_plan", "vs_fusedhooks", "added_pct", "step_peak_mb")
 
 
 def new_result(**fields) -> dict:
@@ -327,7 +327,8 @@ class Report:
     def _table(self, rows: list[dict]) -> list[str]:
         model = rows[0]["numel"] is None
         if model:
-            head = "| dtype | provider | step ms | p20–p80 ms | added % of step | host µs/firing | launches added |"
+            head = ("| dtype | provider | step ms | p20–p80 ms | added % of step | host µs/firing | launches added "
+                    "| step's peak MB |")
         else:
             head = ("| size | dtype | provider | median µs | p20–p80 µs | GB/s | × copy | host µs/firing | launches "
                     "| time ÷ fusedhooks | bytes/element |")
@@ -342,7 +343,8 @@ class Report:
             elif model:
                 cells = [r["provider"], f"{r['median_us'] / 1e3:.2f}",
                          f"{r['p20_us'] / 1e3:.2f}–{r['p80_us'] / 1e3:.2f}", fmt(r["added_pct"], "{:+.1f}"),
-                         fmt(r["host_us_per_firing"], "{:.1f}"), fmt(r["launches"], "{}")]
+                         fmt(r["host_us_per_firing"], "{:.1f}"), fmt(r["launches"], "{}"),
+                         fmt(r["step_peak_mb"], "{:.0f}")]
             else:
                 cells = [r["provider"], f"{r['median_us']:.1f}", f"{r['p20_us']:.1f}–{r['p80_us']:.1f}",
                          fmt(r["gbps"], "{:.1f}"), fmt(r["copy_ratio"], "{:.2f}"),

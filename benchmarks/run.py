@@ -191,6 +191,14 @@ class Bench:
 
         result["launches"], result["launches_how"] = self.launches(impl, step, kind.env.dtype, result["numel"] is None,
                                                                    setup)
+        if self.device.type == "cuda" and result["numel"] is None:  # the model: what a step adds at its peak
+            setup()
+            synchronize(self.device)
+            start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            step()
+            synchronize(self.device)
+            result["step_peak_mb"] = (torch.cuda.max_memory_allocated(self.device) - start) / 2**20
         if impl.fh_structure is not None:
             result["fusedhooks_plan"] = impl.fh_structure
         if result["numel"] is not None:  # bandwidth: one gradient, bytes as the provider moves them
@@ -283,7 +291,7 @@ class Bench:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             batch = synthetic_batch(config, batch_size, seq, torch.Generator().manual_seed(0), device=self.device)
             env = Env(self.device, dtype, list(model.named_parameters()), optimizer)
-            kind = ModelStep(env, functools.partial(train_step, model, batch, optimizer))
+            kind = ModelStep(env, functools.partial(train_step, model, batch))
             for provider in providers:
                 result = new_result(workload="model", provider=provider, dtype=dtype_name(dtype))
                 self.case(result, functools.partial(PROVIDERS[provider], MODEL_WORK, env), kind, scale=10.0)
@@ -359,11 +367,11 @@ class ModelStep:
     max_host_reps = 5  # whole training steps
 
     def __init__(self, env: Env, train):
-        self.env, self.train = env, train
+        self.env, self.train = env, train  # train(optimizer): one step
 
     def step(self, impl: Impl):
         assert impl.after is None, "the model step runs per-parameter hooks only"
-        return self.train
+        return functools.partial(self.train, impl.optimizer or self.env.optimizer)
 
     def setup(self, impl: Impl) -> Callable[[], None]:
         return lambda: None
@@ -382,7 +390,7 @@ class ModelStep:
         nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in tensors]  # kept alive while timing
         handles += [node.register_hook(lambda grad_in, grad_out: clock.toc(None)) for node in nodes]
         try:
-            yield self.train
+            yield self.step(impl)
         finally:
             for handle in handles:
                 handle.remove()

@@ -11,8 +11,8 @@ same work on the same gradients, its own way:
     torch built-in  `clip_grad_value_`, `clip_grad_norm_`, `GradScaler.unscale_`, where one applies
     fusedhooks folded  `fh.clip_grad_norm_(hook, max_norm, optimizer=opt)` into a fused optimizer (clip_step only)
     fusedhooks step    the same fold into fusedhooks' own optimizer, `fh.AdamW` (clip_step only)
-    fusedhooks in backward  `fh.AdamW` stepping each parameter at its firing, clipped by the previous step's total
-                    norm (clip_step only)
+    fusedhooks in backward  `fh.AdamW` stepping each parameter at its firing: clip_step's, clipped by the previous
+                    step's total norm; the model step's, the fusedhooks hook registered with optimizer=
     torch step      torch's fused AdamW step alone, no clip (clip_step only)
     torch.compile   the `eager` hook function, compiled (default options)
     no hook         nothing: the baseline of the model step
@@ -76,6 +76,9 @@ class Impl:
     fh_hook: fh.GradHook | None = None
     fh_structure: dict | None = None
     bucket_mb: float | None = None  # fusedhooks: register(..., bucket_mb=) (None: each gradient at its firing)
+    #: fusedhooks: register(..., optimizer=): this optimizer steps each parameter at its firing, and the model step
+    #: calls its step() (which then steps nothing) instead of the environment's
+    optimizer: torch.optim.Optimizer | None = None
     _handles: list = field(default_factory=list)
 
     @property
@@ -87,7 +90,8 @@ class Impl:
         register a model (by default each gradient processed at its own firing; with bucket_mb, in end-of-backward
         buckets); its launch count then comes from `hook.explain()`."""
         if self.fh_hook is not None:
-            self._handles.append(self.fh_hook.register(env.params, bucket_mb=self.bucket_mb))
+            self._handles.append(self.fh_hook.register(env.params, bucket_mb=self.bucket_mb,
+                                                       optimizer=self.optimizer))
             if len(env.params) > 1:
                 self.fh_structure.update(launches=self.fh_hook.explain().launches_per_backward,
                                          launches_from="hook.explain(): launches per backward (an upper bound)")
@@ -283,6 +287,16 @@ class ClipStats(ClipScale):
 
     def builtin(self, env):
         raise NotApplicable("no torch built-in computes these statistics")
+
+    def in_backward(self, env):
+        """The model step with the hook registered with optimizer=fh.AdamW (the environment's AdamW's
+        hyper-parameters): each parameter stepped at its firing, its gradient freed."""
+        if len(env.params) < 2:
+            raise NotApplicable("the step inside the backward: the model step's (and clip_step's)")
+        impl = self.fusedhooks(env)
+        defaults = env.optimizer.defaults
+        impl.optimizer = fh.AdamW(env.tensors, **{k: defaults[k] for k in ("lr", "betas", "eps", "weight_decay")})
+        return impl
 
 
 class Normalize(Workload):
