@@ -213,7 +213,8 @@ def test_no_host_sync_in_the_optimizer_steps():
     models = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda() for _ in range(2)]
     inside = fh.AdamW(models[0].parameters(), lr=1e-3)
     after = fh.AdamW(models[1].parameters(), lr=torch.tensor(1e-3, device="cuda"))
-    fh.grad_hook(lambda g: g.clamp(-1.0, 1.0), stats=("norm",)).register(models[0], optimizer=inside)
+    hook = fh.grad_hook(lambda g: g.clamp(-1.0, 1.0), stats=("norm",))
+    hook.register(models[0], optimizer=inside)
     x = torch.randn(32, 64, device="cuda")
 
     def step():
@@ -231,6 +232,7 @@ def test_no_host_sync_in_the_optimizer_steps():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(p.grad is None for p in models[0].parameters()) and spacers
+    assert set(hook.stats.read()) == {"0.weight", "0.bias", "1.weight", "1.bias"}
     assert all(inside.state[p]["step"].item() == 2 for p in models[0].parameters())
 
 
