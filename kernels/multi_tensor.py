@@ -191,15 +191,20 @@ def build_table(tensors: list[torch.Tensor], block: int | None = None, chunk: in
     for index, n in enumerate(numels):
         for first in range(0, n, chunk):
             programs += (index, first)
-    host = torch.tensor(addresses + numels + programs, dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-        table = host.to(device, non_blocking=True)
-    else:
-        table = host.to(device)
-        host = None
+    table, host = device_table(addresses + numels + programs, device)
     return ScaleTable(table, tuple(addresses), tuple(numels), dtype, device, len(programs) // 2, block, chunk,
                       aligned=all(a % 16 == 0 for a in addresses), left_out=tuple(left_out), host_table=host)
+
+
+def device_table(values: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An int64 [len(values)] launch table on `device`, and on CUDA the pinned host copy it came from (to be kept
+    alive with it; None elsewhere): copied stream-ordered through pinned memory, since a copy from pageable memory
+    synchronises the host."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device), None
+    host = host.pin_memory()
+    return host.to(device, non_blocking=True), host
 
 
 def scale_(table: ScaleTable, coef: torch.Tensor, round_coef: bool = False, launch=None) -> None:

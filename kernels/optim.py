@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .elementwise import bf16_to_fp32, to_bf16, to_bf16_stochastic
-from .multi_tensor import TL_DTYPES, launch_config
+from .multi_tensor import TL_DTYPES, device_table, launch_config
 
 #: The table's per-tensor parts, in order, each n_tensors int64s; then (tensor, first element) per program.
 TABLE_PARTS = ("param", "grad", "state1", "state2", "state3", "step", "numel", "first_step", "master")
@@ -349,13 +349,7 @@ def build_table(parts: dict[str, list[int]], device: torch.device, element_size:
     if device.type == "cuda":
         block = min(block, GPU_BLOCK[element_size])
     programs = [v for t, n in enumerate(numels) for first in range(0, n, chunk) for v in (t, first)]
-    host = torch.tensor([v for name in TABLE_PARTS for v in parts[name]] + programs, dtype=torch.int64)
-    kept = None
-    if device.type == "cuda":  # through pinned memory, stream-ordered: a pageable copy synchronises the host
-        kept = host.pin_memory()
-        table = kept.to(device, non_blocking=True)
-    else:
-        table = host.to(device)
+    table, kept = device_table([v for name in TABLE_PARTS for v in parts[name]] + programs, device)
     addresses = [a for name in TABLE_PARTS[:5] + ("master",) for a in parts[name] if a]
     return OptimTable(table, table_key(parts), len(numels), len(programs) // 2, block, chunk,
                       all(a % 16 == 0 for a in addresses), kept)
