@@ -232,12 +232,11 @@ def predicted_time_over_copy(hook, dtype, gpu: Gpu, shape: tuple[int, ...] | Non
                          for p in plan_passes(hook, dtype, gpu.arch, shape)), dtype, gpu)
 
 
-def tiles_per_program(block: int, dtype, histogram: bool = False) -> int:
-    """The tiles a program of `block` elements of `dtype` steps through (the generated kernels' TILE; `histogram`: the
-    kernel records one)."""
-    from fusedhooks.codegen.kernel_writer import tile_elements
-
-    return max(1, block // tile_elements(dtype, histogram))
+def tiles_per_program(block: int, source: str) -> int:
+    """The tiles a program of `block` elements steps through, the tile read from the kernel's `source` (its
+    `TILE: tl.constexpr = min(BLOCK, N)` line: codegen.kernel_writer.tile_elements)."""
+    tile = re.search(r"TILE: tl\.constexpr = min\(BLOCK, (\d+)\)", source)
+    return max(1, block // int(tile.group(1))) if tile else 1
 
 
 def _without_merge(source: str) -> str:
@@ -312,7 +311,7 @@ def plan_passes(hook, dtype, arch: int, shape: tuple[int, ...] | None = None) ->
                                constexprs["UNITS"] * constexprs["ELEMENTS"], 1, None, warps, moved))
         else:
             passes.append(Pass(name, _sass(fn, signature, constexprs, warps, arch), block,
-                               tiles_per_program(block, dtype, plan.hist_range is not None), None, warps,
+                               tiles_per_program(block, fn.src), None, warps,
                                moved))
     return passes
 

@@ -311,7 +311,8 @@ def main(args) -> int:
     bad = [d for d in dtypes if d not in DTYPES]
     if bad:
         raise argparse.ArgumentTypeError(f"--dtypes: unknown {bad[0]!r}; known: {', '.join(DTYPES)}")
-    tasks = [(target, family) for target in targets for family in (*families(), "global-clip-scale")]
+    tasks = [(target, family) for target in targets
+             for family in (*families(), "global-clip-scale", "optimizer-step")]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(tasks), os.cpu_count() or 1),
                                                 mp_context=context) as pool:

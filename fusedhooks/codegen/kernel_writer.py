@@ -55,6 +55,8 @@ class KernelWriter:
         self.reductions = [n for n in self.g.reductions() if not dims.is_dim_reduction(n)]
         self.reduction_slot = {n.index: k for k, n in enumerate(self.reductions)}
         self.hist_sets = [kind for kind, names in plan.stat_sets if "hist" in names]
+        #: the elementwise pass keeps statistics' running sums over its tiles (a histogram aside)
+        self.records_statistics = any(name != "hist" for _, names in plan.stat_sets for name in names)
         self.signatures: dict[str, dict[str, str]] = {}
 
     # --- signature -----------------------------------------------------------------------------
@@ -141,10 +143,11 @@ class KernelWriter:
 
     # --- pieces --------------------------------------------------------------------------------
 
-    def prologue(self) -> list[str]:
+    def prologue(self, running_sums: bool) -> list[str]:
         """The lines before the tiles of a kernel over blocks of BLOCK elements: `header`, the tile's size and the
-        program's valid elements (see `tiled`)."""
-        tile = tile_elements(self.g.grad_dtype, bool(self.hist_sets))
+        program's valid elements (see `tiled`); `running_sums`: the kernel keeps some over its tiles (statistics,
+        whole-tensor reductions; see `tile_elements`)."""
+        tile = tile_elements(self.g.grad_dtype, bool(self.hist_sets), running_sums)
         return self.header() + [f"TILE: tl.constexpr = min(BLOCK, {tile})  # elements per step over the block",
                                 "n_valid = tl.minimum(numel - pid * BLOCK, BLOCK).to(tl.int32)  # this program's"]
 
@@ -361,7 +364,7 @@ class KernelWriter:
     def simple_kernel(self) -> list[str]:
         em = self.emitter({})
         return self.kernel(KERNEL_NAME + self.suffix, self.signature(),
-                           self.prologue() + self.final_body(em, single=False),
+                           self.prologue(self.records_statistics) + self.final_body(em, single=False),
                            "the body, its store and the statistics, in one pass")
 
     def reduced_before(self, level: int) -> tuple[dict[int, str], list[str]]:
@@ -380,7 +383,7 @@ class KernelWriter:
         em.emit_nodes(cone(self.g, [x for x in targets if self.units is None or not dims.is_units_value(x)]))
         sets = self.reduction_sets(em, level, lambda n: f"tl.store(reduced_ptr + {self.reduction_slot[n.index]}, "
                                                        f"({{}}).to(tl.float64))  # {n.name}")
-        body = self.prologue() + loads + self.tiled(self.loads() + em.lines, sets) + self.store_lines(sets)
+        body = self.prologue(True) + loads + self.tiled(self.loads() + em.lines, sets) + self.store_lines(sets)
         body += _last_program(self.merge_lines(sets, "num_blocks"))
         return self.kernel(f"reduce_level{level}{self.suffix}", self.signature(), body,
                        f"reduction pass {level}: leaves its results in reduced_ptr")
@@ -389,13 +392,13 @@ class KernelWriter:
         available, loads = self.reduced_before(self.plan.levels + 1)
         em = self.emitter(available)
         return self.kernel(KERNEL_NAME + self.suffix, self.signature(),
-                       self.prologue() + loads + self.final_body(em, single=False),
+                       self.prologue(self.records_statistics) + loads + self.final_body(em, single=False),
                        "the elementwise pass, reading the reductions' results")
 
     def single_kernel(self) -> list[str]:
         """Every pass in one program (one launch): a pass over the block's tiles per level, its reductions merged in
         the program, then the elementwise pass (the block's reads after the first come from the cache)."""
-        body = self.prologue()
+        body = self.prologue(self.plan.levels > 0 or self.records_statistics)
         for level in range(1, self.plan.levels + 1):
             available, _ = self.reduced_before(level)
             em = self.emitter(available)
@@ -542,22 +545,25 @@ _STAT_INDEX = {name: i for i, name in enumerate(ALL_STAT_NAMES)}  # finalize_sta
 
 #: Bytes per element of each gradient dtype
 ELEMENT_SIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
-#: Elements per step of a program over its block (at most BLOCK): with 8 warps, 16 per thread for 16-bit gradients
-#: (two 128-bit accesses), 8 for fp32 (two), 2 for fp64 (one); the statistics' running sums take a register per 16
-#: bytes of the tile a thread holds (kernels.stats.stats_first's VEC), not one per element. The 16-bit tile is twice
-#: the fp32 one's elements: a tile's fixed work (its largest magnitude reduced over the program, the scale's test)
-#: spread over twice the elements, what bounds a 16-bit pass with two statistics sets (docs/benchmarks.md)
+#: Elements per step of a program over its block (at most BLOCK) that keeps running sums (statistics, whole-tensor
+#: reductions): with 8 warps, 16 per thread for 16-bit gradients (two 128-bit accesses), 8 for fp32 (two), 2 for fp64
+#: (one); the running sums take a register per 16 bytes of the tile a thread holds (kernels.stats.stats_first's VEC),
+#: not one per element. The 16-bit tile is twice the fp32 one's elements: a tile's fixed work (its largest magnitude
+#: reduced over the program, the scale's test) spread over twice the elements, what bounds a 16-bit pass with two
+#: statistics sets (docs/benchmarks.md)
 TILE_ELEMENTS = {torch.float16: 4096, torch.bfloat16: 4096, torch.float32: 2048, torch.float64: 512}
-#: The 16-bit tile of a kernel recording a histogram: its per-tile histogram of 16 elements a thread takes more than
-#: the 128 registers of the build's gate on sm_90 (and spills), 8 do not
-HISTOGRAM_TILE_ELEMENTS = 2048
+#: The 16-bit tile of a kernel recording a histogram or keeping no running sums. A histogram: its per-tile histogram
+#: of 16 elements a thread takes more than the 128 registers of the build's gate on sm_90 (and spills), 8 do not.
+#: No running sums: no per-tile fixed work for a larger tile to spread, and at 16 elements a thread ptxas spilled on
+#: sm_80 (an AMP body with `pow`; an AMP pass dividing by column norms)
+NARROW_TILE_ELEMENTS = 2048
 
 
-def tile_elements(dtype: torch.dtype, histogram: bool) -> int:
-    """The elements of a program's step over its block (TILE_ELEMENTS) for `dtype` gradients; `histogram`: the kernel
-    records one (a 16-bit tile of HISTOGRAM_TILE_ELEMENTS)."""
+def tile_elements(dtype: torch.dtype, histogram: bool, running_sums: bool) -> int:
+    """The elements of a program's step over its block for `dtype` gradients: TILE_ELEMENTS when the kernel keeps
+    running sums over its tiles and records no `histogram`, else at most NARROW_TILE_ELEMENTS."""
     tile = TILE_ELEMENTS[dtype]
-    return min(tile, HISTOGRAM_TILE_ELEMENTS) if histogram else tile
+    return tile if running_sums and not histogram else min(tile, NARROW_TILE_ELEMENTS)
 
 
 def _storage_type(dtype: torch.dtype) -> str:

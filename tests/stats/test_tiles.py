@@ -8,10 +8,10 @@ import torch
 
 import fusedhooks as fh
 from fusedhooks import STAT_NAMES
-from fusedhooks.codegen.kernel_writer import HISTOGRAM_TILE_ELEMENTS, TILE_ELEMENTS
+from fusedhooks.codegen.kernel_writer import NARROW_TILE_ELEMENTS, TILE_ELEMENTS
 from fusedhooks.runtime import launcher
 
-from helpers import FLOAT_DTYPES, check_stats
+from helpers import FLOAT_DTYPES, assert_same_values, check_stats
 
 NAMES = [*STAT_NAMES, "skew", "kurtosis"]
 #: tiles of the default BLOCK (fp32): the cases below put their changes past the first tile
@@ -90,13 +90,60 @@ def test_default_block_steps_through_several_tiles():
         assert block % tile == 0 and block // tile >= 8, (dtype, block, tile)
 
 
+def _tiles(source: str) -> dict[str, int]:
+    """kernel name -> the elements of its step over a block (its `TILE: tl.constexpr = min(BLOCK, N)` line)."""
+    tiles, kernel = {}, None
+    for line in source.splitlines():
+        if line.startswith("def "):
+            kernel = line[4:line.index("(")]
+        elif "TILE: tl.constexpr = min(BLOCK, " in line:
+            tiles[kernel] = int(line.split("min(BLOCK, ")[1].split(")")[0])
+    return tiles
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_a_kernel_recording_a_histogram_steps_through_at_most_the_histogram_tile(dtype):
-    """16-bit kernels step through 4,096 elements (two 128-bit accesses a thread), but those recording a histogram
-    through 2,048 (the registers of their per-tile histogram); the generated source says which."""
-    plain = fh.grad_hook(stats=("norm",)).source(dtype)
-    histogram = fh.grad_hook(stats=("norm", "hist")).source(dtype)
-    tile = TILE_ELEMENTS[dtype]
-    assert f"TILE: tl.constexpr = min(BLOCK, {tile})" in plain
-    assert f"TILE: tl.constexpr = min(BLOCK, {min(tile, HISTOGRAM_TILE_ELEMENTS)})" in histogram
-    assert (tile, min(tile, HISTOGRAM_TILE_ELEMENTS)) == ((4096, 2048) if dtype.itemsize == 2 else (tile, tile))
+def test_16_bit_kernels_keeping_running_sums_without_a_histogram_step_through_the_wide_tile(dtype):
+    """16-bit kernels keeping running sums over their tiles (statistics, whole-tensor reductions) step through 4,096
+    elements (two 128-bit accesses a thread: a tile's fixed work spread over twice the elements); those recording a
+    histogram (the registers of their per-tile histogram) or keeping no running sums (nothing per tile to spread)
+    through 2,048; fp32 and fp64 through their one tile. The generated source says which, kernel by kernel."""
+    wide, narrow = TILE_ELEMENTS[dtype], min(TILE_ELEMENTS[dtype], NARROW_TILE_ELEMENTS)
+    assert (wide, narrow) == ((4096, 2048) if dtype.itemsize == 2 else (wide, wide))
+
+    def tiles(**kwargs):
+        return _tiles(fh.grad_hook(**kwargs).source(dtype))
+
+    assert tiles(stats=("norm",)) == {"fused_hook": wide, "fused_hook_multi": wide}
+    assert set(tiles(stats=("norm", "hist")).values()) == {narrow}
+    assert set(tiles(fn=lambda g: g.clamp(-1.0, 1.0) * 0.5).values()) == {narrow}
+    normalise = tiles(fn=lambda g: g / g.norm())
+    assert normalise["reduce_level1"] == normalise["fused_hook_single"] == wide   # the norm's running sums
+    assert normalise["fused_hook"] == normalise["fused_hook_multi"] == narrow     # the elementwise pass after it
+
+
+@pytest.mark.parametrize("with_inf", [False, True], ids=["finite", "inf-in-a-later-tile"])
+def test_an_amp_body_without_statistics_over_narrow_tiles_matches_torchs_unscale(with_inf, backend, monkeypatch):
+    """A bf16 AMP body without statistics (narrow tiles) over blocks of 4 tiles, the last block partial: the
+    gradient is torch's unscale then the body, bit for bit, and an Inf in a later tile of a later block sets
+    found_inf."""
+    narrow = NARROW_TILE_ELEMENTS
+    monkeypatch.setenv("FUSEDHOOKS_BLOCK", str(4 * narrow))
+    n = 2 * 4 * narrow + 3 * narrow + 5
+    p = torch.zeros(n, dtype=torch.bfloat16, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=3.0 * 2.0 ** 7)
+    scaler.scale(torch.ones(()))                                      # creates the scale tensor
+    grad = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 300).to(torch.bfloat16)
+    if with_inf:
+        grad[4 * narrow + 2 * narrow + 17] = float("inf")               # block 1, tile 2
+    expected = grad.clone()
+    found_ref = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_([expected], found_ref, scaler._scale.double().reciprocal().float())
+    expected = expected.clamp(-1.0, 1.0) * 0.5
+    hook = fh.grad_hook(lambda g: g.clamp(-1.0, 1.0) * 0.5, scaler=scaler, optimizer=opt, backend=backend)
+    hook.register(p)
+    p.grad = grad
+    hook(p)
+    assert_same_values(p.grad, expected)
+    found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")]
+    assert found.item() == found_ref.item() == float(with_inf)
