@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedhooks.runtime.launcher import host_to_device
 from fusedhooks.runtime.layout import flat_span
 
 from .elementwise import bf16_to_fp32, round_to_bf16, round_to_fp16, to_bf16
@@ -131,7 +132,6 @@ class ScaleTable:
     chunk: int
     aligned: bool
     left_out: tuple[int, ...]
-    host_table: torch.Tensor | None = None  # the pinned host copy a CUDA table was copied from (kept alive)
 
     @property
     def n_tensors(self) -> int:
@@ -191,20 +191,9 @@ def build_table(tensors: list[torch.Tensor], block: int | None = None, chunk: in
     for index, n in enumerate(numels):
         for first in range(0, n, chunk):
             programs += (index, first)
-    table, host = device_table(addresses + numels + programs, device)
+    table = host_to_device(addresses + numels + programs, torch.int64, device)
     return ScaleTable(table, tuple(addresses), tuple(numels), dtype, device, len(programs) // 2, block, chunk,
-                      aligned=all(a % 16 == 0 for a in addresses), left_out=tuple(left_out), host_table=host)
-
-
-def device_table(values: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An int64 [len(values)] launch table on `device`, and on CUDA the pinned host copy it came from (to be kept
-    alive with it; None elsewhere): copied stream-ordered through pinned memory, since a copy from pageable memory
-    synchronises the host."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device), None
-    host = host.pin_memory()
-    return host.to(device, non_blocking=True), host
+                      aligned=all(a % 16 == 0 for a in addresses), left_out=tuple(left_out))
 
 
 def scale_(table: ScaleTable, coef: torch.Tensor, round_coef: bool = False, launch=None) -> None:

@@ -25,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedhooks.runtime.launcher import host_to_device
+
 from .elementwise import bf16_to_fp32, to_bf16, to_bf16_stochastic
-from .multi_tensor import TL_DTYPES, device_table, launch_config
+from .multi_tensor import TL_DTYPES, launch_config
 
 #: The table's per-tensor parts, in order, each n_tensors int64s; then (tensor, first element) per program.
 TABLE_PARTS = ("param", "grad", "state1", "state2", "state3", "step", "numel", "first_step", "master")
@@ -328,7 +330,6 @@ class OptimTable:
     block: int
     chunk: int
     aligned: bool
-    host: torch.Tensor | None = None  # the pinned copy a CUDA table came from (kept alive)
 
 
 def table_key(parts: dict[str, list[int]]) -> tuple:
@@ -349,10 +350,10 @@ def build_table(parts: dict[str, list[int]], device: torch.device, element_size:
     if device.type == "cuda":
         block = min(block, GPU_BLOCK[element_size])
     programs = [v for t, n in enumerate(numels) for first in range(0, n, chunk) for v in (t, first)]
-    table, kept = device_table([v for name in TABLE_PARTS for v in parts[name]] + programs, device)
+    table = host_to_device([v for name in TABLE_PARTS for v in parts[name]] + programs, torch.int64, device)
     addresses = [a for name in TABLE_PARTS[:5] + ("master",) for a in parts[name] if a]
     return OptimTable(table, table_key(parts), len(numels), len(programs) // 2, block, chunk,
-                      all(a % 16 == 0 for a in addresses), kept)
+                      all(a % 16 == 0 for a in addresses))
 
 
 def _stochastic(stochastic: bool, dtype: torch.dtype) -> bool:

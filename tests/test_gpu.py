@@ -184,7 +184,8 @@ def test_cuda_graph_capture_replays_like_eager():
 
 def test_no_host_sync_in_a_firing():
     """torch's sync debug mode raises on any synchronizing call: a firing, a bucket flush and the global clip
-    make none (statistics are read later, in one sync, by stats.read())."""
+    make none (statistics are read later, in one sync, by stats.read()), nor does a clip after one with
+    max_norm=inf (the norms measured, rescaled by its coefficient on the device)."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).cuda()
     hook = fh.grad_hook(lambda grad: grad / (grad.norm() + 1e-6), stats="all", input_stats=("hist",))
     hook.register(model, bucket_mb=0.01)
@@ -199,6 +200,9 @@ def test_no_host_sync_in_a_firing():
     torch.cuda.set_sync_debug_mode("error")
     try:
         model(x).sum().backward()
+        fh.clip_grad_norm_(clip_stats, 1.0)
+        model(x).sum().backward()
+        fh.clip_grad_norm_(clip_stats, float("inf"))  # the total norm alone (logging), then the clip
         fh.clip_grad_norm_(clip_stats, 1.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -390,7 +390,7 @@ def _refresh(values: torch.Tensor, layout: _Layout, grads: list[torch.Tensor], e
         else:
             values[position] = torch.linalg.vector_norm(grads[i], norm_type).to(values.dtype)
     for coef, positions in rescale.values():
-        index = torch.tensor(positions, device=values.device)
+        index = launcher.host_to_device(positions, torch.int64, values.device)  # a pageable copy would sync
         values[index] = values[index] * coef.to(values.device, values.dtype)
     return values
 

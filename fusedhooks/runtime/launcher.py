@@ -166,7 +166,9 @@ _interpreter_lock = threading.Lock()
 
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A 1-D tensor of `values` on `device`, without a host sync: to a CUDA device through pinned memory, copied
-    stream-ordered (a pageable copy is synchronising; the pinned block is not reused before the copy is done)."""
+    stream-ordered (a pageable copy is synchronising; torch's pinned-memory allocator records the copy's event and does
+    not reuse the block before the copy is done, so the host tensor need not be kept). Every launch table and
+    hyper-parameter vector goes to the device through here."""
     host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
@@ -490,7 +492,6 @@ class BucketTable:
     sizes_aligned: bool  # every gradient's size a multiple of 16 bytes
     addresses: tuple = ()  # the grad (then param) addresses the table holds now
     aligned: bool = False  # the ALIGNED hint of the gradients at `addresses` (see `aligned`)
-    host: torch.Tensor | None = None  # the pinned copy a CUDA table came from (kept alive until replaced)
     cpu_values: array.array | None = None  # a CPU table's memory (written in place, without a torch op)
     bound: dict = field(default_factory=dict)  # ALIGNED hint -> Bound
     units_meta: dict = field(default_factory=dict)  # UNITS and ELEMENTS of a one-pass kernel over units
@@ -504,8 +505,7 @@ class BucketTable:
             self.cpu_values[:len(addresses)] = array.array("q", addresses)
         else:
             values = torch.frombuffer(array.array("q", addresses), dtype=torch.int64).pin_memory()
-            self.table[:len(addresses)].copy_(values, non_blocking=True)
-            self.host = values
+            self.table[:len(addresses)].copy_(values, non_blocking=True)  # see host_to_device
         self.addresses = addresses
         self.aligned = self.sizes_aligned and functools.reduce(operator.or_, addresses) % 16 == 0
 
@@ -533,15 +533,14 @@ def bucket_table(spec, numels: tuple[int, ...], rows: tuple[int, ...], block: in
     values = [v for part in spec.table_parts for v in parts[part]] + programs
     cpu_values = None
     if device.type == "cuda":
-        host = torch.tensor(values, dtype=torch.int64).pin_memory()
-        table = host.to(device, non_blocking=True)
+        table = host_to_device(values, torch.int64, device)
     else:
-        cpu_values, host = array.array("q", values), None
+        cpu_values = array.array("q", values)
         table = torch.frombuffer(cpu_values, dtype=torch.int64)
     sizes_aligned = all(numel * element_size % 16 == 0 for numel in numels)
     if spec.one_pass:
         sizes_aligned = sizes_aligned and units_aligned(units, element_size)
-    return BucketTable(table, n, sum(blocks), max(total, 1), sizes_aligned, host=host, cpu_values=cpu_values,
+    return BucketTable(table, n, sum(blocks), max(total, 1), sizes_aligned, cpu_values=cpu_values,
                        units_meta=units_meta)
 
 
