@@ -1,5 +1,7 @@
 """Shared oracles and tolerances for the tests."""
 
+import contextlib
+import logging
 import math
 from pathlib import Path
 
@@ -373,3 +375,48 @@ class PublishedZClip:
             return total_norm, clip_val
         self._update_ema(clip_val if clip_val is not None else total_norm)
         return total_norm, clip_val
+
+
+# --- the ways training code turns compiled autograd on (docs/compile.md, "Compile forms") ---
+
+#: how the step is compiled -> whether compiled autograd traces its backward (the traced firing, no Python)
+FORMS = {
+    "compiled-model": False,         # model = torch.compile(model); loss.backward() outside (nanoGPT)
+    "compiled-step": False,          # torch.compile(step), step runs forward and loss.backward()
+    "config-patch": False,           # that step called under torch._dynamo.config.patch(compiled_autograd=True)
+    "config-flag": True,             # torch._dynamo.config.compiled_autograd = True before the first compile
+    "helper-fullgraph-dynamic": True,  # maybe_enable_compiled_autograd(True, fullgraph=True, dynamic=True)
+    "helper": True,                  # maybe_enable_compiled_autograd(True, fullgraph=False, dynamic=False)
+    "enable": True,                  # compiled_autograd._enable(torch.compile(...))
+}
+#: maybe_enable_compiled_autograd compiles the backward with inductor whatever the step is compiled with
+HELPERS = ("helper-fullgraph-dynamic", "helper")
+
+
+class RecompileLimitLog(logging.Handler):
+    """The messages of dynamo's logger that say a recompile limit was hit."""
+
+    def __init__(self):
+        super().__init__()
+        self.hits = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "recompile_limit" in message or "cache_size_limit" in message:
+            self.hits.append(message)
+
+
+def context(form: str | None, compile_backend: str):
+    """The context a step compiled as `form` (a FORMS key; None: eager) runs in."""
+    from torch._dynamo import compiled_autograd
+    from torch._dynamo.utils import maybe_enable_compiled_autograd
+
+    if form == "config-patch":
+        return torch._dynamo.config.patch(compiled_autograd=True)
+    if form == "helper-fullgraph-dynamic":
+        return maybe_enable_compiled_autograd(True, fullgraph=True, dynamic=True)
+    if form == "helper":
+        return maybe_enable_compiled_autograd(True, fullgraph=False, dynamic=False)
+    if form == "enable":
+        return compiled_autograd._enable(torch.compile(backend=compile_backend))
+    return contextlib.nullcontext()

@@ -32,6 +32,7 @@ import torch
 from torch.optim.adam import adam as torch_adam
 from torch.optim.sgd import sgd as torch_sgd
 
+from ..firing import optable
 from ..runtime import launcher
 from ..runtime.layout import is_dtensor
 from ..stats.backwards import GraphTask, same_backward, track
@@ -219,6 +220,13 @@ class _KernelSteps:
                 if key != "step" and isinstance(value, torch.Tensor) and value.dtype == torch.float32:
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
+    def _states_of(self, params: list[torch.Tensor], state_dicts: list[dict] | None) -> dict[int, dict]:
+        """id(p) -> the state a step of `params` reads and writes: `state_dicts` (in their order) when given, else
+        the optimizer's `state[p]`."""
+        if state_dicts is None:
+            state_dicts = [self.state[p] for p in params]
+        return {id(p): state for p, state in zip(params, state_dicts)}
+
     def _hyper_for(self, index: int, values: list, device: torch.device) -> torch.Tensor:
         """`_hyper(values, device)` for group `index`, the last one kept per (group, device) and reused while the
         values stay: the firings of one step inside the backward copy them to the device once."""
@@ -293,7 +301,12 @@ class BackwardSteps:
     it) is not stepped.
 
     Per parameter this is a firing's worth of host work: the step count's increment and one launch (its table kept
-    while the gradient's address stays; the hyper-parameters' device copy shared by the step's firings)."""
+    while the gradient's address stays; the hyper-parameters' device copy shared by the step's firings).
+
+    In a backward that compiled autograd traces, the step is one `fusedhooks::step_in_backward` call (optim/traced.py)
+    on the parameter, its gradient and its state's tensors (made in the graph at a first step), and `.grad = None`
+    is traced after it: no graph break. A parameter with fp32 master weights, or a DTensor, is stepped outside the
+    graph, as in a hook frame dynamo compiles on its own (compiled autograd off)."""
 
     def __init__(self, optimizer: _KernelSteps, params: list[torch.Tensor], keep_grads: bool):
         groups = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -308,20 +321,87 @@ class BackwardSteps:
         in_backward = optimizer._books().in_backward
         self._ids = set(self._groups) - in_backward
         in_backward |= self._ids
+        self._params = params
+        self._group_of_slot = [groups[id(p)] for p in params]  # each parameter's group, by position in `params`
+        #: the parameters this object steps -> their position in `params` (a dict keyed by the tensors: what the
+        #: traced hook looks a parameter up in)
+        self._slots = {p: k for k, p in enumerate(params) if id(p) in self._ids}
+        self.key = optable.add(self)  # what fusedhooks::step_in_backward names it by
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            self._trace(param)
+        else:
+            self._step(param)
 
     @torch.no_grad()
-    def __call__(self, param: torch.Tensor) -> None:
+    def _step(self, param: torch.Tensor) -> None:
+        """The step of `param` at its firing, eagerly."""
         if param.grad is None or id(param) not in self._ids:
             return
-        task = track(torch._C._current_graph_task_id())
-        if same_backward(self._last.get(id(param))):
-            raise RuntimeError(STEPPED_TWICE_MESSAGE.format(name=f"a parameter of shape {tuple(param.shape)}"))
-        self._last[id(param)] = task
+        self._count(param)
         index = self._groups[id(param)]
         self.optimizer._step_group(index, self.optimizer.param_groups[index], _Scaling(None, None), [param],
                                    id(param))
         if not self.keep_grads:
             param.grad = None
+
+    def _count(self, param: torch.Tensor) -> None:
+        """Refuse a second step of `param` in the backward of its first (STEPPED_TWICE_MESSAGE)."""
+        task = track(torch._C._current_graph_task_id())
+        if same_backward(self._last.get(id(param))):
+            raise RuntimeError(STEPPED_TWICE_MESSAGE.format(name=f"a parameter of shape {tuple(param.shape)}"))
+        self._last[id(param)] = task
+
+    def _trace(self, param: torch.Tensor) -> None:
+        """`__call__` while dynamo traces it: one fusedhooks::step_in_backward call in a backward that compiled
+        autograd traces; elsewhere (a hook frame dynamo compiles on its own), and for a parameter with fp32 master
+        weights (kept by the parameter's identity and version, which a functionalized copy has not) or a DTensor,
+        the eager step outside the graph, with nothing traced before it that differs between parameters (a lookup
+        by the parameter would guard its identity: a recompile each)."""
+        from ..firing import ops
+        from ..firing.traced import compiled_autograd_traces
+
+        if not compiled_autograd_traces():
+            ops.outside_graph(self._step, param)
+            return
+        slot = self._slots.get(param)
+        if param.grad is None or slot is None:
+            return
+        if self.optimizer._keeps_master(param.dtype) or is_dtensor(param):
+            ops.outside_graph(self._step, param)
+            return
+        from . import traced
+
+        states, first = self.optimizer.traced_states(self._group_of_slot[slot], param)
+        traced.step_in_backward(param, param.grad, states, self.key, slot, first)
+        if not self.keep_grads:
+            param.grad = None
+
+    @torch.no_grad()
+    def step_given(self, param: torch.Tensor, grad: torch.Tensor, states: list[torch.Tensor], slot: int,
+                   first: bool) -> None:
+        """The implementation of fusedhooks::step_in_backward: the step of the parameter at position `slot` of
+        `params`, on `param` (it, or aot_autograd's copy of it) from `grad` with `states` (its state's tensors in the
+        order of `state_names`, or copies; `first`: made for this step, unwritten: SGD's momentum buffer, which the
+        first step sets to the gradient). Only these tensors are written: the compiled graph copies them back."""
+        real = self._params[slot]
+        if id(real) not in self._ids:  # removed since the graph was compiled
+            return
+        self._count(real)
+        index = self._group_of_slot[slot]
+        names = self.optimizer.state_names(index)
+        state = {} if first else dict(zip(names, states))
+        kept = param.grad
+        param.grad = grad
+        try:
+            self.optimizer._step_group(index, self.optimizer.param_groups[index], _Scaling(None, None), [param],
+                                       ("traced", slot), [state])
+        finally:
+            param.grad = kept
+        for name, handed in zip(names, states):
+            if state[name] is not handed:
+                handed.copy_(state[name])
 
     def remove(self) -> None:
         """`opt.step()` steps these parameters again; this object steps nothing more."""
@@ -341,44 +421,64 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
                          maximize=maximize)
         self._init_precision(stochastic_rounding, seed, master_weights)
 
-    def _step_group(self, index: int, group: dict, scaling: _Scaling, params: list, tag) -> None:
+    def _ready_state(self, state: dict, p: torch.Tensor, amsgrad: bool) -> None:
+        """Make p's `state` (empty: zeros and a step count of 0, as torch's fused AdamW), its step count a float32
+        tensor on p's device (torch's optimizers keep it on the CPU)."""
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            dtype = self._state_dtype(p)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            if amsgrad:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        elif state["step"].device != p.device or state["step"].dtype != torch.float32:
+            state["step"] = state["step"].to(device=p.device, dtype=torch.float32)  # from torch's CPU count
+
+    def state_names(self, index: int) -> tuple[str, ...]:
+        """The state of a parameter of group `index`, in the order a traced step in the backward is handed it."""
+        amsgrad = self.param_groups[index]["amsgrad"]
+        return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+
+    def traced_states(self, index: int, p: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
+        """While compiled autograd traces a step of `p` (of group `index`) in the backward: the tensors of its state
+        (`state_names`), made first where it has none (in the graph, stored after it runs), and False: AdamW's state
+        starts as zeros, which the step reads as torch's does."""
+        state = self.state[p]
+        self._ready_state(state, p, self.param_groups[index]["amsgrad"])
+        return [state[name] for name in self.state_names(index)], False
+
+    def _step_group(self, index: int, group: dict, scaling: _Scaling, params: list, tag,
+                    state_dicts: list[dict] | None = None) -> None:
         """Step `params` (of group `index`, each with a gradient); `tag`: which launch tables they keep ("group",
-        or one parameter's id in the backward)."""
+        or one parameter's id in the backward); `state_dicts`: their states (default: the optimizer's)."""
         amsgrad, (beta1, beta2) = group["amsgrad"], group["betas"]
+        state_of = self._states_of(params, state_dicts)
         for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError("AdamW does not support sparse gradients")
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                dtype = self._state_dtype(p)
-                state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                if amsgrad:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            elif state["step"].device != p.device or state["step"].dtype != torch.float32:
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)  # from torch's CPU count
+            self._ready_state(state_of[id(p)], p, amsgrad)
         kernel, torch_steps = [], []
         for p in params:
-            state = self.state[p]
+            state = state_of[id(p)]
             states = [state["exp_avg"], state["exp_avg_sq"]] + ([state["max_exp_avg_sq"]] if amsgrad else [])
             (kernel if _takes(p, states) else torch_steps).append(p)
         if kernel:
             from ..kernels.optim import adamw_
         for (device, dtype), members in _by_device_dtype(kernel).items():
             ps = [kernel[i] for i in members]
-            steps = [self.state[p]["step"] for p in ps]
+            steps = [state_of[id(p)]["step"] for p in ps]
             torch._foreach_add_(steps, 1)
             live = [p for p in ps if _local(p).numel()]
             if not live:
                 continue
-            masters = [self._master_of(p, self.state[p], ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")) for p in live]
+            masters = [self._master_of(p, state_of[id(p)], ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+                       for p in live]
             parts = {"param": _addresses(live), "grad": _addresses([p.grad for p in live]),
-                     "state1": _addresses([self.state[p]["exp_avg"] for p in live]),
-                     "state2": _addresses([self.state[p]["exp_avg_sq"] for p in live]),
-                     "state3": _addresses([self.state[p]["max_exp_avg_sq"] for p in live]) if amsgrad else
+                     "state1": _addresses([state_of[id(p)]["exp_avg"] for p in live]),
+                     "state2": _addresses([state_of[id(p)]["exp_avg_sq"] for p in live]),
+                     "state3": _addresses([state_of[id(p)]["max_exp_avg_sq"] for p in live]) if amsgrad else
                      [0] * len(live),
-                     "step": [self.state[p]["step"].data_ptr() for p in live],
+                     "step": [state_of[id(p)]["step"].data_ptr() for p in live],
                      "numel": [_local(p).numel() for p in live], "first_step": [0] * len(live), "master": masters}
             table = self._table((index, device, dtype, tag), parts, device)
             stochastic, seed = self._rounding(dtype)
@@ -391,7 +491,7 @@ class AdamW(_KernelSteps, torch.optim.AdamW):
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
         if torch_steps and not scaling.skipped_on_host():
             self._check_fallback(torch_steps)
-            states = [self.state[p] for p in torch_steps]
+            states = [state_of[id(p)] for p in torch_steps]
             torch_adam(
                 torch_steps, scaling.divided([p.grad for p in torch_steps]), [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states], [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
@@ -412,37 +512,55 @@ class SGD(_KernelSteps, torch.optim.SGD):
                          nesterov=nesterov, maximize=maximize)
         self._init_precision(stochastic_rounding, seed, master_weights)
 
-    def _step_group(self, index: int, group: dict, scaling: _Scaling, params: list, tag) -> None:
+    def state_names(self, index: int) -> tuple[str, ...]:
+        """The state of a parameter of group `index`, in the order a traced step in the backward is handed it."""
+        return ("momentum_buffer",) if self.param_groups[index]["momentum"] != 0 else ()
+
+    def traced_states(self, index: int, p: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
+        """While compiled autograd traces a step of `p` (of group `index`) in the backward: the tensors of its state
+        (`state_names`), and whether they are made here (in the graph, stored after it runs): the momentum buffer
+        of a first step, unwritten, which the step sets to the gradient as torch's first step does."""
+        if not self.state_names(index):
+            return [], False
+        buf = self.state[p].get("momentum_buffer")
+        if buf is not None:
+            return [buf], False
+        buf = self.state[p]["momentum_buffer"] = torch.empty_like(p, dtype=self._state_dtype(p))
+        return [buf], True
+
+    def _step_group(self, index: int, group: dict, scaling: _Scaling, params: list, tag,
+                    state_dicts: list[dict] | None = None) -> None:
         """Step `params` (of group `index`, each with a gradient); `tag`: which launch tables they keep ("group",
-        or one parameter's id in the backward)."""
+        or one parameter's id in the backward); `state_dicts`: their states (default: the optimizer's)."""
         momentum = group["momentum"]
+        state_of = self._states_of(params, state_dicts)
         kernel, torch_steps = [], []
         for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError("fh.SGD steps dense gradients: use torch.optim.SGD for sparse ones")
-            buf = self.state[p].get("momentum_buffer")
+            buf = state_of[id(p)].get("momentum_buffer")
             (kernel if _takes(p, [] if buf is None else [buf]) else torch_steps).append(p)
         if kernel:
             from ..kernels.optim import sgd_
-        starts = momentum != 0 and any(self.state[p].get("momentum_buffer") is None for p in kernel)
+        starts = momentum != 0 and any(state_of[id(p)].get("momentum_buffer") is None for p in kernel)
         if starts and scaling.skipped_on_host():
             # a momentum buffer starts as the first stepped gradient: whether this step is skipped decides whether it
             # starts now (one host sync, at the first step only)
             return
         for (device, dtype), members in _by_device_dtype(kernel).items():
             ps = [kernel[i] for i in members]
-            first = [int(momentum != 0 and self.state[p].get("momentum_buffer") is None) for p in ps]
+            first = [int(momentum != 0 and state_of[id(p)].get("momentum_buffer") is None) for p in ps]
             if momentum != 0:
                 for p, is_first in zip(ps, first):
                     if is_first:  # the kernel writes it: the gradient (weight decay included), as torch's clone
-                        self.state[p]["momentum_buffer"] = torch.empty_like(p, dtype=self._state_dtype(p))
+                        state_of[id(p)]["momentum_buffer"] = torch.empty_like(p, dtype=self._state_dtype(p))
             first = [f for p, f in zip(ps, first) if _local(p).numel()]
             live = [p for p in ps if _local(p).numel()]
             if not live:
                 continue
-            masters = [self._master_of(p, self.state[p], ("momentum_buffer",)) for p in live]
+            masters = [self._master_of(p, state_of[id(p)], ("momentum_buffer",)) for p in live]
             parts = {"param": _addresses(live), "grad": _addresses([p.grad for p in live]),
-                     "state1": _addresses([self.state[p]["momentum_buffer"] for p in live]) if momentum != 0 else
+                     "state1": _addresses([state_of[id(p)]["momentum_buffer"] for p in live]) if momentum != 0 else
                      [0] * len(live),
                      "state2": [0] * len(live), "state3": [0] * len(live), "step": [0] * len(live),
                      "numel": [_local(p).numel() for p in live], "first_step": first, "master": masters}
@@ -455,10 +573,10 @@ class SGD(_KernelSteps, torch.optim.SGD):
                  self._keeps_master(dtype))
         if torch_steps and not scaling.skipped_on_host():
             self._check_fallback(torch_steps)
-            bufs = [self.state[p].get("momentum_buffer") for p in torch_steps]
+            bufs = [state_of[id(p)].get("momentum_buffer") for p in torch_steps]
             torch_sgd(torch_steps, scaling.divided([p.grad for p in torch_steps]), bufs, foreach=False, fused=False,
                       weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
                       dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"])
             if momentum != 0:
                 for p, buf in zip(torch_steps, bufs):
-                    self.state[p]["momentum_buffer"] = buf
+                    state_of[id(p)]["momentum_buffer"] = buf

@@ -3,34 +3,22 @@ no error, no recompile-limit warning, no graph compiled after warm-up, eager's g
 step (a layer skipped every third step: stale rows), with fh.clip_grad_norm_ inside the step and with scaler=;
 where compiled autograd is on, no Python of fusedhooks in a warm backward (docs/compile.md, "Compile forms")."""
 
-import contextlib
 import logging
 
 import pytest
 import torch
 from torch import nn
-from torch._dynamo import compiled_autograd
-from torch._dynamo.utils import counters, maybe_enable_compiled_autograd
+from torch._dynamo.utils import counters
 
 import fusedhooks as fh
 from fusedhooks.testing import python_calls
 
-from helpers import REDUCTION_RTOL, assert_same
+from helpers import FORMS, HELPERS, REDUCTION_RTOL, RecompileLimitLog, assert_same, context
 
 STATS = ("norm", "max", "nan", "std")
 LAYERS = 12
 STEPS = 6
 
-#: how the step is compiled -> whether compiled autograd traces its backward (the traced firing, no Python)
-FORMS = {
-    "compiled-model": False,         # model = torch.compile(model); loss.backward() outside (nanoGPT)
-    "compiled-step": False,          # torch.compile(step), step runs forward and loss.backward()
-    "config-patch": False,           # that step called under torch._dynamo.config.patch(compiled_autograd=True)
-    "config-flag": True,             # torch._dynamo.config.compiled_autograd = True before the first compile
-    "helper-fullgraph-dynamic": True,  # maybe_enable_compiled_autograd(True, fullgraph=True, dynamic=True)
-    "helper": True,                  # maybe_enable_compiled_autograd(True, fullgraph=False, dynamic=False)
-    "enable": True,                  # compiled_autograd._enable(torch.compile(...))
-}
 
 
 class Deep(nn.Module):
@@ -51,19 +39,6 @@ class Deep(nn.Module):
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
-
-
-class RecompileLimitLog(logging.Handler):
-    """The messages of dynamo's logger that say a recompile limit was hit."""
-
-    def __init__(self):
-        super().__init__()
-        self.hits = []
-
-    def emit(self, record):
-        message = record.getMessage()
-        if "recompile_limit" in message or "cache_size_limit" in message:
-            self.hits.append(message)
 
 
 def train(form: str | None, compile_backend: str, clip: bool, scaler: bool):
@@ -120,20 +95,6 @@ def train(form: str | None, compile_backend: str, clip: bool, scaler: bool):
     return out, calls, counters["stats"]["unique_graphs"] - graphs, log.hits
 
 
-def context(form: str | None, compile_backend: str):
-    if form == "config-patch":
-        return torch._dynamo.config.patch(compiled_autograd=True)
-    if form == "helper-fullgraph-dynamic":
-        return maybe_enable_compiled_autograd(True, fullgraph=True, dynamic=True)
-    if form == "helper":
-        return maybe_enable_compiled_autograd(True, fullgraph=False, dynamic=False)
-    if form == "enable":
-        return compiled_autograd._enable(torch.compile(backend=compile_backend))
-    return contextlib.nullcontext()
-
-
-#: maybe_enable_compiled_autograd compiles the backward with inductor whatever the step is compiled with
-HELPERS = ("helper-fullgraph-dynamic", "helper")
 CASES = [(form, "inductor" if form in HELPERS else "aot_eager", variant) for form in FORMS
          for variant in ("plain", "scaler-clip")]
 CASES += [(form, "inductor", "plain") for form in FORMS if form not in HELPERS]

@@ -3,13 +3,23 @@ its firing, its gradient freed. Against the same optimizer stepping after the ba
 gradients: bit for bit) and against torch's recipe (eager per-tensor clip hooks, then torch's fused step); the live
 gradients during the backward; accumulation, a backward that raises, a parameter fired twice, the refusals."""
 
+import logging
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 import fusedhooks as fh
 
-from helpers import RaisingBackward, assert_same_steps, mlp
+from helpers import (
+    FORMS,
+    RaisingBackward,
+    RecompileLimitLog,
+    assert_same_steps,
+    context,
+    mlp,
+)
 
 CLIP = 0.02
 OPTIMIZERS = {
@@ -232,25 +242,75 @@ def test_refusals():
     assert all(opt.state[p]["step"].item() == 1 for p in model.parameters())
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_under_compiled_autograd_each_step_runs_outside_the_graph(backend):
-    """torch.compile of the step with compiled autograd on (PyTorch's documented flag): each firing and step runs
-    outside the compiled graph, eagerly, with the same results as without compile, three steps."""
-    models = [mlp((8, 16, 5)) for _ in range(2)]
-    opts = [fh.AdamW(m.parameters(), lr=1e-2) for m in models]
-    for model, opt in zip(models, opts):
-        clip_hook().register(model, optimizer=opt)
+COMPILED_OPTIMIZERS = {
+    "adamw-amsgrad": lambda params: fh.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    "sgd-dampening": lambda params: fh.SGD(params, lr=1e-1, momentum=0.9, dampening=0.1),
+}
+#: (form, compile backend, optimizer) of the compiled training steps (helpers.FORMS): compiled autograd on, except in
+#: the last; SGD's momentum buffer (unwritten when made in the graph) where the backward is functionalized
+COMPILED = [(form, backend, "adamw-amsgrad") for form, backend in (
+    ("config-flag", "eager"), ("config-flag", "aot_eager"), ("config-flag", "inductor"), ("enable", "aot_eager"),
+    ("helper-fullgraph-dynamic", "inductor"), ("compiled-step", "aot_eager"))]
+COMPILED += [(form, backend, "sgd-dampening") for form, backend in (
+    ("config-flag", "aot_eager"), ("config-flag", "inductor"), ("helper-fullgraph-dynamic", "inductor"))]
 
-    def step(model, batch):
+
+def train_compiled(form, compile_backend, optimizer, steps=5, in_backward=True):
+    """`steps` backwards of a 14-parameter model (more than dynamo's recompile limit) with a clip hook stepping
+    `optimizer` in the backward (not `in_backward`: after it) and a LambdaLR schedule, compiled as `form` says
+    (None: eager). Returns the model, the optimizer, the graphs compiled after the third backward, dynamo's
+    recompile-limit messages and the graph breaks' reasons."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(8, 8), torch.nn.Tanh())],
+                                torch.nn.Linear(8, 5))
+    opt = COMPILED_OPTIMIZERS[optimizer](model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    clip_hook().register(model, optimizer=opt if in_backward else None)
+
+    def step(batch):
         loss_of(model, batch).backward()
 
-    compiled = torch.compile(step, backend=backend)
-    for batch in batches(torch.float32, 3):
-        with torch._dynamo.config.patch(compiled_autograd=True):
-            compiled(models[0], batch)
-        step(models[1], batch)
-        assert all(p.grad is None for p in models[0].parameters())
-    assert_same_steps(models, opts)
+    if form == "config-flag":  # read when torch.compile wraps the step
+        torch._dynamo.config.compiled_autograd = True
+    run = step if form is None else torch.compile(step, backend=compile_backend)
+    log = RecompileLimitLog()
+    logging.getLogger("torch._dynamo").addHandler(log)
+    graphs = 0
+    try:
+        for i, batch in enumerate(batches(torch.float32, steps)):
+            with context(form, compile_backend):
+                run(batch)
+            assert all(p.grad is None for p in model.parameters()) == in_backward
+            opt.step()  # in_backward: steps nothing (as training code calls it)
+            opt.zero_grad()
+            schedule.step()
+            if i == 2:
+                graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+        logging.getLogger("torch._dynamo").removeHandler(log)
+    return model, opt, counters["stats"]["unique_graphs"] - graphs, log.hits, list(counters["graph_break"])
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize(("form", "compile_backend", "optimizer"), COMPILED, ids=["-".join(c) for c in COMPILED])
+def test_a_compiled_backward_traces_each_step(form, compile_backend, optimizer):
+    """Where compiled autograd traces the backward, each parameter's firing and step are in its graph (the step one
+    fusedhooks::step_in_backward call on the parameter, its gradient and its state, made in the graph at the first
+    backward): no graph break but the compiled step's own at backward(), no graph compiled after the third
+    backward while the schedule changes lr, no recompile-limit warning, and eager's parameters and states bit for bit
+    (inductor: its backward rounds the model's gradients its own way). With compiled autograd off the step runs
+    outside the graph, with the same results."""
+    model, opt, recompiled, limit_hits, breaks = train_compiled(form, compile_backend, optimizer)
+    counters.clear()
+    # inductor rounds the model's own backward its own way: against the same compiled backward stepping after it
+    expected = train_compiled(form if compile_backend == "inductor" else None, compile_backend, optimizer,
+                              in_backward=compile_backend != "inductor")
+    assert_same_steps([model, expected[0]], [opt, expected[1]])
+    assert limit_hits == []
+    assert recompiled == 0, f"{recompiled} graphs compiled after warm-up"
+    outside = [reason for reason in breaks if "torch.compiler.disable" in reason]
+    assert (outside != []) == (not FORMS[form]), breaks
 
 
 def test_adagc_clips_then_steps_each_parameter_in_the_backward():
