@@ -268,6 +268,37 @@ def test_the_step_inside_the_backward_lowers_peak_memory_by_the_gradients():
     assert peaks["after"] - peaks["inside"] >= 0.9 * sum(grad_bytes[:-1]), (peaks, grad_bytes)
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_step_inside_a_compiled_backward_on_cuda():
+    """Compiled autograd with inductor on CUDA (the flag): each firing and fh.AdamW step inside the backward is traced
+    (fusedhooks::step_in_backward, launching the step's Triton kernel when the graph runs), no graph break leaving the
+    graph; parameters and states equal those of the same compiled backward with the step after it, bit for bit."""
+    from torch._dynamo.utils import counters
+
+    from helpers import assert_same_steps
+
+    models, opts = [], []
+    for inside in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).cuda()
+        opt = fh.AdamW(model.parameters(), lr=1e-3, amsgrad=True)
+        fh.grad_hook(lambda g: g.clamp(-0.01, 0.01), stats=("norm",)).register(model, optimizer=opt if inside else None)
+        torch._dynamo.config.compiled_autograd = True
+        try:
+            step = torch.compile(lambda x, model=model: model(x).square().mean().backward(), backend="inductor")
+            for i in range(4):
+                step(torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(i)))
+                assert all(p.grad is None for p in model.parameters()) == inside
+                opt.step()
+                opt.zero_grad()
+        finally:
+            torch._dynamo.config.compiled_autograd = False
+        models.append(model)
+        opts.append(opt)
+    assert not any("torch.compiler.disable" in reason for reason in counters["graph_break"])
+    assert_same_steps(models, opts)
+
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(4096, 1024), (1000, 5000), (3, 4097), (64, 3, 3, 3)], ids=str)

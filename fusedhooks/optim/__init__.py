@@ -353,23 +353,26 @@ class BackwardSteps:
             raise RuntimeError(STEPPED_TWICE_MESSAGE.format(name=f"a parameter of shape {tuple(param.shape)}"))
         self._last[id(param)] = task
 
-    def _trace(self, param: torch.Tensor) -> None:
-        """`__call__` while dynamo traces it: one fusedhooks::step_in_backward call in a backward that compiled
-        autograd traces; elsewhere (a hook frame dynamo compiles on its own), and for a parameter with fp32 master
-        weights (kept by the parameter's identity and version, which a functionalized copy has not) or a DTensor,
-        the eager step outside the graph, with nothing traced before it that differs between parameters (a lookup
-        by the parameter would guard its identity: a recompile each)."""
-        from ..firing import ops
+    def leaves_graph(self, param: torch.Tensor) -> bool:
+        """While dynamo traces the hook: is `param` stepped outside the graph? Outside a backward that compiled
+        autograd traces (a hook frame dynamo compiles on its own), and for a parameter with fp32 master weights
+        (kept by the parameter's identity and version, which a functionalized copy has not) or a DTensor. Asked
+        before anything is traced that differs between parameters (a lookup by the parameter would guard its
+        identity: a recompile each at the graph break), by `register`'s hook too (`stepping`)."""
         from ..firing.traced import compiled_autograd_traces
 
-        if not compiled_autograd_traces():
+        return not compiled_autograd_traces() or self.optimizer._keeps_master(param.dtype) or is_dtensor(param)
+
+    def _trace(self, param: torch.Tensor) -> None:
+        """`__call__` while dynamo traces it: one fusedhooks::step_in_backward call, or the eager step outside the
+        graph where it `leaves_graph`."""
+        if self.leaves_graph(param):
+            from ..firing import ops
+
             ops.outside_graph(self._step, param)
             return
         slot = self._slots.get(param)
         if param.grad is None or slot is None:
-            return
-        if self.optimizer._keeps_master(param.dtype) or is_dtensor(param):
-            ops.outside_graph(self._step, param)
             return
         from . import traced
 

@@ -20,7 +20,6 @@ import torch
 from ..compiler import dims
 from ..compiler.trace import CompileError
 from ..firing.registry import Entry, RegistrationHandle, Registry
-from ..firing.traced import compiled_autograd_traces
 from ..runtime import process_groups
 from ..runtime.layout import is_dtensor
 from . import gates
@@ -125,16 +124,17 @@ def steps_in_backward(optimizer, keep_grads: bool):
 def stepping(fire, step, paused):
     """The torch hook that fires on a parameter's gradient (`fire(param)`) and then steps the parameter
     (`step(param)`: the optimizer's step inside the backward), unless the hook is `paused()`. In a backward that
-    compiled autograd traces both are traced: the firing as always, the step as one operator (`BackwardSteps`). In a
-    hook frame dynamo compiles on its own (compiled autograd off) both run outside the graph (`run_outside_graph`),
-    as the gates run."""
+    compiled autograd traces both are traced: the firing as always, the step as one operator (`BackwardSteps`).
+    Where the step leaves the graph (`step.leaves_graph(param)`: a hook frame dynamo compiles on its own, master
+    weights, a DTensor) both run outside it from the start (`run_outside_graph`), as the gates run: nothing traced
+    before the break differs between parameters."""
     def run(param: torch.Tensor) -> None:
         fire(param)
         if not paused():
             step(param)
 
     def hook(param: torch.Tensor) -> None:
-        if torch.compiler.is_dynamo_compiling() and not compiled_autograd_traces():
+        if torch.compiler.is_dynamo_compiling() and step.leaves_graph(param):
             run_outside_graph(run, param)
         else:
             run(param)
