@@ -100,7 +100,7 @@ class AdaptiveClip:
                 handle.on_remove(functools.partial(self._forget, pname, hook))
                 update = self._update(pname, hook, state)
                 if steps is not None:  # the step after the update (which reads the firing's statistics row)
-                    update = stepping(update, steps, lambda hook=hook: hook.is_paused)
+                    update = stepping(update, steps, lambda hook=hook: hook.is_paused, fire_traces=False)
                 if gate is not None:  # the registration's gate: the same decision as the hook's in each backward
                     update = gates.gated(update, gate, run_outside_graph, lambda hook=hook: hook.is_paused)
                 handle.add(t, t.register_post_accumulate_grad_hook(update))

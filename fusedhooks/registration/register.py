@@ -121,20 +121,21 @@ def steps_in_backward(optimizer, keep_grads: bool):
     return functools.partial(make, keep_grads=keep_grads)
 
 
-def stepping(fire, step, paused):
+def stepping(fire, step, paused, fire_traces: bool = True):
     """The torch hook that fires on a parameter's gradient (`fire(param)`) and then steps the parameter
     (`step(param)`: the optimizer's step inside the backward), unless the hook is `paused()`. In a backward that
     compiled autograd traces both are traced: the firing as always, the step as one operator (`BackwardSteps`).
     Where the step leaves the graph (`step.leaves_graph(param)`: a hook frame dynamo compiles on its own, master
-    weights, a DTensor) both run outside it from the start (`run_outside_graph`), as the gates run: nothing traced
-    before the break differs between parameters."""
+    weights, a DTensor), or `fire` is Python that is not to be traced (not `fire_traces`: AdaGC's state update),
+    both run outside it from the start (`run_outside_graph`), as the gates run: nothing traced before the break
+    differs between parameters."""
     def run(param: torch.Tensor) -> None:
         fire(param)
         if not paused():
             step(param)
 
     def hook(param: torch.Tensor) -> None:
-        if torch.compiler.is_dynamo_compiling() and step.leaves_graph(param):
+        if torch.compiler.is_dynamo_compiling() and (not fire_traces or step.leaves_graph(param)):
             run_outside_graph(run, param)
         else:
             run(param)

@@ -14,8 +14,10 @@ import fusedhooks as fh
 
 from helpers import (
     FORMS,
+    REDUCTION_RTOL,
     RaisingBackward,
     RecompileLimitLog,
+    assert_close_to,
     assert_same_steps,
     context,
     mlp,
@@ -257,18 +259,19 @@ COMPILED += [(form, backend, "sgd-dampening") for form, backend in (
 COMPILED += [("config-flag", "aot_eager", "adamw-master-bf16")]
 
 
-def train_compiled(form, compile_backend, optimizer, steps=5, in_backward=True):
-    """`steps` backwards of a 14-parameter model (more than dynamo's recompile limit) with a clip hook stepping
-    `optimizer` in the backward (not `in_backward`: after it) and a LambdaLR schedule, compiled as `form` says
-    (None: eager). Returns the model, the optimizer, the graphs compiled after the third backward, dynamo's
-    recompile-limit messages and the graph breaks' reasons."""
+def train_compiled(form, compile_backend, optimizer, steps=5, in_backward=True, adagc=False):
+    """`steps` backwards of a 14-parameter model (more than dynamo's recompile limit) with a clip hook (`adagc`:
+    fh.adaptive_clip) stepping `optimizer` in the backward (not `in_backward`: after it) and a LambdaLR schedule,
+    compiled as `form` says (None: eager). Returns the model, the optimizer, the graphs compiled after the third
+    backward, dynamo's recompile-limit messages and the graph breaks' reasons."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if optimizer.endswith("bf16") else torch.float32
     model = torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(8, 8), torch.nn.Tanh())],
                                 torch.nn.Linear(8, 5)).to(dtype)
     opt = COMPILED_OPTIMIZERS[optimizer](model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-    clip_hook().register(model, optimizer=opt if in_backward else None)
+    clip = fh.adaptive_clip(warmup_steps=2, max_norm=0.05) if adagc else clip_hook()
+    clip.register(model, optimizer=opt if in_backward else None)
 
     def step(batch):
         loss_of(model, batch).backward()
@@ -314,6 +317,21 @@ def test_a_compiled_backward_traces_each_step(form, compile_backend, optimizer):
     assert recompiled == 0, f"{recompiled} graphs compiled after warm-up"
     outside = [reason for reason in breaks if "torch.compiler.disable" in reason]
     assert (outside != []) == (not FORMS[form] or "master" in optimizer), breaks
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_adagc_in_a_compiled_backward_steps_outside_the_graph():
+    """fh.adaptive_clip(...).register(model, optimizer=opt) under compiled autograd: the firing's state update is
+    Python, so the update and the step run outside the graph from the start (nothing traced per parameter before
+    the break): no recompile-limit warning on 14 parameters, and eager's parameters within the rounding of the
+    traced firing's norm (its plan as torch ops on the CPU, where eager runs the kernel)."""
+    model, _, _, limit_hits, breaks = train_compiled("config-flag", "aot_eager", "sgd-dampening", adagc=True)
+    counters.clear()
+    expected = train_compiled(None, "aot_eager", "sgd-dampening", adagc=True)[0]
+    for p, q in zip(model.parameters(), expected.parameters()):
+        assert_close_to(p, q, REDUCTION_RTOL[torch.float32])
+    assert limit_hits == []
+    assert any("torch.compiler.disable" in reason for reason in breaks)
 
 
 def test_adagc_clips_then_steps_each_parameter_in_the_backward():
