@@ -252,10 +252,10 @@ COMPILED_OPTIMIZERS = {
 #: (form, compile backend, optimizer) of the compiled training steps (helpers.FORMS): compiled autograd on, except in
 #: the last; SGD's momentum buffer (unwritten when made in the graph) where the backward is functionalized
 COMPILED = [(form, backend, "adamw-amsgrad") for form, backend in (
-    ("config-flag", "eager"), ("config-flag", "aot_eager"), ("config-flag", "inductor"), ("enable", "aot_eager"),
+    ("config-flag", "eager"), ("config-flag", "aot_eager"), ("enable", "aot_eager"),
     ("helper-fullgraph-dynamic", "inductor"), ("compiled-step", "aot_eager"))]
-COMPILED += [(form, backend, "sgd-dampening") for form, backend in (
-    ("config-flag", "aot_eager"), ("config-flag", "inductor"), ("helper-fullgraph-dynamic", "inductor"))]
+COMPILED += [(form, backend, "sgd-dampening") for form, backend in (("config-flag", "aot_eager"),
+                                                                    ("config-flag", "inductor"))]
 COMPILED += [("config-flag", "aot_eager", "adamw-master-bf16")]
 
 
