@@ -236,7 +236,9 @@ def tiles_per_program(block: int, source: str) -> int:
     """The tiles a program of `block` elements steps through, the tile read from the kernel's `source` (its
     `TILE: tl.constexpr = min(BLOCK, N)` line: codegen.kernel_writer.tile_elements)."""
     tile = re.search(r"TILE: tl\.constexpr = min\(BLOCK, (\d+)\)", source)
-    return max(1, block // int(tile.group(1))) if tile else 1
+    if tile is None:  # a kernel over blocks without its tile's line: the model would count one tile, silently
+        raise ValueError("sass_model: no `TILE: tl.constexpr = min(BLOCK, N)` line in a kernel over blocks")
+    return max(1, block // int(tile.group(1)))
 
 
 def _without_merge(source: str) -> str:
